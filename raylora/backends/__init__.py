@@ -1,0 +1,42 @@
+"""Device backends: the only place that names npu, cuda, hccl or nccl.
+
+``resolve_backend(args)`` picks the device (npu → cuda → cpu unless one is asked for) and
+returns a :class:`Backend` describing everything the rest of raylora needs from it.
+torch_npu is imported only when an NPU is asked for or probed.
+"""
+
+from __future__ import annotations
+
+from raylora.backends import cpu, cuda, npu
+from raylora.backends.base import Backend, BackendError
+from raylora.config import BackendArgs
+
+__all__ = ["Backend", "BackendError", "resolve_backend", "PROBE_ORDER"]
+
+PROBE_ORDER = (npu, cuda, cpu)
+
+
+def resolve_backend(args: BackendArgs) -> Backend:
+    """Pick and describe the device for a job.
+
+    Args:
+        args: ``backend.device`` is ``auto`` (probe in :data:`PROBE_ORDER`, the portable cpu last)
+            or a device name, which must then be usable.
+    Returns:
+        The :class:`Backend` for that device.
+    Raises:
+        BackendError: the device asked for is absent, or its precision is not supported, with the fix.
+    """
+    if args.device == "auto":
+        notes = []
+        for module in PROBE_ORDER:
+            ok, how = module.probe()
+            if ok:
+                return module.make(args, f"auto: {how}" + (f" ({'; '.join(notes)})" if notes else ""))
+            notes.append(how)
+        raise BackendError("no device found, not even the cpu backend")  # cpu.probe() is always True
+    module = {m.NAME: m for m in PROBE_ORDER}[args.device]
+    ok, how = module.probe()
+    if not ok:
+        raise BackendError(f"backend.device={args.device} was asked for, but {how}. {module.INSTALL_HINT}")
+    return module.make(args, f"asked for: {how}")

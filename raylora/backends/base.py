@@ -1,0 +1,73 @@
+"""The :class:`Backend` record shared by every device module."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class BackendError(RuntimeError):
+    """A device asked for cannot be used; the message names the fix."""
+
+
+_PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What a job needs to know about its device.
+
+    Attributes:
+        name: torch device type (``npu``, ``cuda`` or ``cpu``).
+        detected_by: how the device was chosen, for ``raylora doctor`` and logs.
+        dist_backend: torch.distributed backend (hccl, nccl, gloo).
+        ray_resource: Ray resource a worker asks for (``NPU``, ``GPU``, ``CPU``).
+        visible_devices_env: variable through which Ray hands devices to a worker, if any.
+        amp_dtype: autocast dtype, ``None`` for full fp32.
+        needs_grad_scaler: fp16 autocast needs a gradient scaler (and Adam eps ≥ 1e-6).
+        env: environment variables every worker must have (HCCL settings on NPU).
+    """
+
+    name: str
+    detected_by: str
+    dist_backend: str
+    ray_resource: str
+    visible_devices_env: str | None
+    amp_dtype: torch.dtype | None
+    needs_grad_scaler: bool
+    env: dict[str, str] = field(default_factory=dict)
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        """The worker's device; Ray's visible-devices variable makes local index ``local_rank`` valid."""
+        return torch.device("cpu") if self.name == "cpu" else torch.device(self.name, local_rank)
+
+    def scaling(self, num_workers: int, cpus_per_worker: float = 1.0) -> dict[str, Any]:
+        """Keyword arguments for ``ray.train.ScalingConfig``: NPUs are a custom resource with use_gpu=False."""
+        if self.ray_resource == "GPU":
+            return {"num_workers": num_workers, "use_gpu": True}
+        resources = {"CPU": cpus_per_worker}
+        if self.ray_resource != "CPU":
+            resources[self.ray_resource] = 1
+        return {"num_workers": num_workers, "use_gpu": False, "resources_per_worker": resources}
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so timings are honest."""
+        if self.name != "cpu":
+            getattr(torch, self.name).synchronize()
+
+    def peak_memory_mb(self) -> float:
+        """Peak device memory allocated by torch (accelerators) or peak resident set size (cpu), in MiB."""
+        if self.name == "cpu":
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return getattr(torch, self.name).max_memory_allocated() / 2**20
+
+
+def amp_from_precision(precision: str, auto: tuple[torch.dtype | None, bool]) -> tuple[torch.dtype | None, bool]:
+    """``backend.precision`` to (autocast dtype, needs grad scaler); ``auto`` takes the device's choice."""
+    if precision == "auto":
+        return auto
+    dtype = _PRECISIONS[precision]
+    return dtype, dtype is torch.float16

@@ -1,0 +1,23 @@
+"""CUDA GPUs: NCCL, bf16 autocast where supported, else fp16 with a scaler."""
+
+from __future__ import annotations
+
+import torch
+
+from raylora.backends.base import Backend, amp_from_precision
+from raylora.config import BackendArgs
+
+NAME = "cuda"
+INSTALL_HINT = "Install a CUDA build of torch (make install TORCH_SPEC='torch --index-url <your CUDA wheel index>') or use backend.device=cpu."
+
+
+def probe() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no CUDA device"
+    return True, f"torch.cuda.is_available() with {torch.cuda.device_count()} device(s)"
+
+
+def make(args: BackendArgs, detected_by: str) -> Backend:
+    bf16 = torch.cuda.is_bf16_supported()
+    dtype, scaler = amp_from_precision(args.precision, (torch.bfloat16, False) if bf16 else (torch.float16, True))
+    return Backend(NAME, detected_by, "nccl", "GPU", "CUDA_VISIBLE_DEVICES", dtype, scaler)

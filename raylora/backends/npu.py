@@ -1,0 +1,90 @@
+"""Huawei Ascend NPUs through torch_npu: HCCL, bf16 on Atlas A2/A3, fp16 + scaler on 910A and 310P.
+
+torch_npu is imported only inside :func:`probe`: installed without CANN it breaks ``import torch``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from raylora.backends.base import Backend, BackendError, amp_from_precision
+from raylora.config import BackendArgs
+
+NAME = "npu"
+INSTALL_HINT = (
+    "Install Ascend CANN (toolkit and kernels) for your driver, run "
+    "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`, then `pip install 'raylora[npu]'` "
+    "(torch_npu built for your torch version); or use backend.device=auto or cpu."
+)
+CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
+
+# SoC names as torch_npu.npu.get_device_name() reports them. Atlas A2 (Ascend910B*), A3 (Ascend910_93*) and
+# later have bf16 matrix units; 910A-class training chips and the 310P inference chip do not.
+_BF16_PREFIXES = ("Ascend910B", "Ascend910_93", "Ascend910_95", "Ascend950")
+
+
+def probe() -> tuple[bool, str]:
+    """Whether torch_npu imports and sees a device; never raises."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False, "torch_npu is not installed"
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as e:  # a torch_npu without CANN fails in many ways; report, do not crash
+        return (
+            False,
+            f"torch_npu is installed but does not import ({type(e).__name__}: {e}); is CANN's set_env.sh sourced?",
+        )
+    if not torch.npu.is_available():
+        return False, "torch_npu imports but sees no NPU (check npu-smi info and ASCEND_RT_VISIBLE_DEVICES)"
+    return True, f"torch_npu with {torch.npu.device_count()} NPU(s), {soc_name()}"
+
+
+def amp_for_soc(soc: str) -> tuple[torch.dtype, bool]:
+    """Autocast dtype and grad-scaler need for an Ascend SoC name such as ``Ascend910B2``."""
+    if soc.startswith(_BF16_PREFIXES):
+        return torch.bfloat16, False
+    return torch.float16, True
+
+
+def hccl_env(args: BackendArgs) -> dict[str, str]:
+    """HCCL variables for every worker, built only from documented HCCL settings.
+
+    HCCL_ALGO is deliberately never set: setting it turns off HCCL's automatic algorithm choice.
+    """
+    env = {"HCCL_CONNECT_TIMEOUT": str(args.hccl_connect_timeout)}
+    optional = {
+        "HCCL_EXEC_TIMEOUT": args.hccl_exec_timeout,
+        "HCCL_BUFFSIZE": args.hccl_buffsize,
+        "HCCL_IF_IP": args.hccl_if_ip,
+        "HCCL_SOCKET_IFNAME": args.hccl_socket_ifname,
+    }
+    env.update({k: str(v) for k, v in optional.items() if v is not None})
+    return env
+
+
+def soc_name() -> str:
+    """Device 0's SoC name, e.g. ``Ascend910B2``."""
+    return torch.npu.get_device_name(0)
+
+
+def cann_home() -> str | None:
+    """The CANN toolkit folder in effect, if any."""
+    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return str(CANN_DEFAULT) if CANN_DEFAULT.exists() else None
+
+
+def make(args: BackendArgs, detected_by: str) -> Backend:
+    """The NPU backend for device 0's SoC."""
+    soc = soc_name()
+    auto = amp_for_soc(soc)
+    if args.precision == "bf16" and auto[0] is not torch.bfloat16:
+        raise BackendError(f"{soc} has no bf16 support; use backend.precision=fp16 (with a grad scaler) or auto")
+    dtype, scaler = amp_from_precision(args.precision, auto)
+    return Backend(NAME, detected_by, "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES", dtype, scaler, hccl_env(args))

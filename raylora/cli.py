@@ -1,0 +1,75 @@
+"""``raylora <command> CONFIG.yaml [section.key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from raylora.config import ConfigError, load_config
+
+COMMANDS = {
+    "quickstart": "single-process LoRA fine-tune of a few steps, save the adapter, answer a question",
+    "prepare": "tokenise, mask and pack instruction data into Parquet shards with Ray Data",
+    "train": "LoRA fine-tune on N workers with Ray Train",
+    "tune": "sweep LoRA rank and learning rate with Ray Tune",
+    "export": "write a merged or quantised model folder",
+    "serve": "serve the base model and adapters over an OpenAI-compatible HTTP API",
+    "doctor": "check that this environment can run a job, and say what to fix",
+}
+NOT_YET = {
+    "prepare": "issue #3 (Ray Data preprocessing)",
+    "train": "issue #4 (Ray Train fine-tuning)",
+    "tune": "the Ray Tune sweep issue, after issue #4",
+    "export": "issue #5 (quantised serving and export)",
+    "serve": "issue #5 (Ray Serve)",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="raylora", description="LoRA fine-tuning on Ray, from Ascend NPUs to a CPU laptop."
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help, description=help)
+        cmd.add_argument("config", nargs="?" if name == "doctor" else None, help="job YAML file (see configs/)")
+        cmd.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a config value")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the process exit code (0 ok, 1 run failed, 2 bad input or not available)."""
+    args = parser().parse_args(argv)
+    if args.command in NOT_YET:
+        print(f"raylora {args.command}: not available yet; it lands with {NOT_YET[args.command]}. "
+              "Until then `raylora quickstart CONFIG` runs the single-process fine-tune.", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.command == "doctor":
+        from raylora.doctor import check, render
+
+        rows, problems = check(cfg)
+        print(render(rows, problems))
+        return 1 if problems else 0
+    from raylora.backends import BackendError
+    from raylora.models import ModelError
+    from raylora.train.quickstart import run_quickstart
+
+    try:
+        run_quickstart(cfg)
+    except (BackendError, ModelError, ValueError, FileNotFoundError) as e:
+        print(f"raylora {args.command}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main_entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_entry()

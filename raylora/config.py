@@ -1,0 +1,361 @@
+"""Typed job configuration: one dataclass per YAML section, validated all at once.
+
+A job is one YAML file with the sections below. ``load_config(path, overrides)`` reads it,
+applies dotted overrides (``train.lr=3e-4``), and checks every value against the schema,
+collecting *all* problems (unknown keys with the nearest valid key, wrong types, values
+out of range) into one :class:`ConfigError` before anything touches a cluster.
+``to_dict`` / ``from_dict`` convert losslessly to the plain dicts Ray passes around.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, **rules: Any) -> Any:
+    """A dataclass field carrying its help text and validation rules (min, max, gt, lt, choices, nonempty)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help, **rules})
+    return field(default=default, metadata={"help": help, **rules})
+
+
+@dataclass
+class SourceArgs:
+    path: str = _f("", help="JSON-array or JSONL file, a folder of them, or a glob", nonempty=True)
+    format: str = _f("alpaca", help="row format", choices=("alpaca",))
+
+
+@dataclass
+class DataArgs:
+    sources: list[SourceArgs] = _f(help="datasets to read", factory=list)
+    cutoff_len: int = _f(512, help="maximum tokens per example; longer ones are truncated", min=8)
+    max_samples: int | None = _f(None, help="read at most this many rows per source (None: all)", min=1)
+    placeholders: dict[str, str] = _f(help="values for {{key}} placeholders in the data", factory=dict)
+
+
+@dataclass
+class ModelArgs:
+    name_or_path: str = _f(
+        "smollm2-135m-instruct",
+        help="registry name, Hugging Face model folder, or .gguf file",
+        nonempty=True,
+    )
+    dtype: str = _f("float32", help="dtype of the base weights", choices=("float32", "bfloat16", "float16"))
+    cache_dir: str | None = _f(
+        None, help="where converted models are cached (None: $RAYLORA_CACHE or ~/.cache/raylora)"
+    )
+
+
+@dataclass
+class LoraArgs:
+    rank: int = _f(8, help="LoRA rank r", min=1, max=1024)
+    alpha: float = _f(16.0, help="LoRA alpha (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA)", gt=0)
+    dropout: float = _f(0.05, help="dropout on the LoRA input", min=0.0, lt=1.0)
+    target_modules: list[str] = _f(
+        help="module names, or presets attention / mlp / all-linear", factory=lambda: ["attention"], nonempty=True
+    )
+    use_rslora: bool = _f(False, help="rank-stabilised scaling alpha / sqrt(r)")
+    use_dora: bool = _f(False, help="weight-decomposed LoRA (DoRA)")
+
+
+@dataclass
+class TrainArgs:
+    output_dir: str = _f("outputs/run", help="folder for adapters, checkpoints and plots", nonempty=True)
+    max_steps: int = _f(10, help="optimizer steps", min=1)
+    batch_size: int = _f(2, help="examples per micro-batch per worker", min=1)
+    lr: float = _f(2e-4, help="peak learning rate", gt=0, max=1.0)
+    weight_decay: float = _f(0.0, help="AdamW weight decay", min=0.0)
+    max_grad_norm: float = _f(1.0, help="gradient clipping norm (0 disables)", min=0.0)
+    seed: int = _f(42, help="random seed")
+    num_workers: int = _f(1, help="Ray Train workers (one per device)", min=1)
+
+
+@dataclass
+class TuneArgs:
+    num_samples: int = _f(4, help="trials to run", min=1)
+    ranks: list[int] = _f(help="LoRA ranks to search", factory=lambda: [8, 16], nonempty=True, min=1)
+    lr_min: float = _f(1e-5, help="lower bound of the log-uniform lr search", gt=0)
+    lr_max: float = _f(1e-3, help="upper bound of the log-uniform lr search", gt=0)
+    metric: str = _f("eval_loss", help="metric to optimise", nonempty=True)
+    mode: str = _f("min", help="optimisation direction", choices=("min", "max"))
+
+
+@dataclass
+class ServeArgs:
+    host: str = _f("127.0.0.1", help="address the HTTP server binds to", nonempty=True)
+    port: int = _f(8000, help="HTTP port", min=1, max=65535)
+    adapter_root: str = _f("outputs/adapters", help="folder of servable adapters")
+    max_adapters: int = _f(8, help="adapters kept loaded per replica (LRU)", min=1)
+    quantization: str = _f("none", help="base model quantisation", choices=("none", "w8a8", "w8a8-smoothquant"))
+
+
+@dataclass
+class TrackingArgs:
+    enabled: bool = _f(True, help="log to MLflow")
+    uri: str | None = _f(None, help="MLflow tracking URI (None: sqlite file mlflow.db in the working folder)")
+    experiment: str = _f("raylora", help="MLflow experiment name", nonempty=True)
+
+
+@dataclass
+class BackendArgs:
+    device: str = _f(
+        "auto", help="device type; auto probes npu, then cuda, then cpu", choices=("auto", "npu", "cuda", "cpu")
+    )
+    precision: str = _f("auto", help="autocast dtype; auto picks per device", choices=("auto", "fp32", "bf16", "fp16"))
+    hccl_connect_timeout: int = _f(1800, help="HCCL_CONNECT_TIMEOUT seconds (NPU)", min=120, max=7200)
+    hccl_exec_timeout: int | None = _f(None, help="HCCL_EXEC_TIMEOUT seconds (NPU; None: CANN default)", min=0)
+    hccl_buffsize: int | None = _f(None, help="HCCL_BUFFSIZE MB per communicator (NPU; None: CANN default 200)", min=1)
+    hccl_if_ip: str | None = _f(None, help="HCCL_IF_IP: this host's NIC address for HCCL (NPU)")
+    hccl_socket_ifname: str | None = _f(None, help="HCCL_SOCKET_IFNAME: NIC name prefix for HCCL (NPU)")
+
+
+@dataclass
+class JobConfig:
+    data: DataArgs = _f(help="preprocessing", factory=DataArgs)
+    model: ModelArgs = _f(help="base model", factory=ModelArgs)
+    lora: LoraArgs = _f(help="adapter", factory=LoraArgs)
+    train: TrainArgs = _f(help="training", factory=TrainArgs)
+    tune: TuneArgs = _f(help="sweeps", factory=TuneArgs)
+    serve: ServeArgs = _f(help="serving", factory=ServeArgs)
+    tracking: TrackingArgs = _f(help="MLflow", factory=TrackingArgs)
+    backend: BackendArgs = _f(help="device", factory=BackendArgs)
+
+
+class ConfigError(ValueError):
+    """Every problem found in a configuration, each as ``(dotted.path, message)``."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str = "config"):
+        self.problems = problems
+        lines = [f"{source} has {len(problems)} problem{'s' if len(problems) != 1 else ''}:"]
+        lines += [f"  - {path}: {msg}" for path, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML job file, apply dotted overrides and validate everything.
+
+    Args:
+        path: YAML file; ``None`` starts from the defaults.
+        overrides: ``["train.lr=3e-4", "lora.target_modules=[q_proj,v_proj]"]``; values are parsed as YAML.
+    Returns:
+        The validated :class:`JobConfig`.
+    Raises:
+        ConfigError: listing every problem of the file and the overrides together.
+    """
+    source = str(path) if path is not None else "config"
+    raw: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(
+                [("<file>", f"{p} does not exist; pass the path of a YAML job file (see configs/)")], source
+            )
+        try:
+            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError([("<file>", f"is not valid YAML: {e}")], source) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([("<file>", f"must hold a mapping of sections, got {type(raw).__name__}")], source)
+    problems: list[tuple[str, str]] = []
+    for item in overrides or []:
+        _apply_override(raw, item, problems)
+    cfg = _build(JobConfig, raw, "", problems)
+    if not problems:
+        _check_relations(cfg, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """Validate a plain dict (as produced by :func:`to_dict`) into a :class:`JobConfig`."""
+    problems: list[tuple[str, str]] = []
+    cfg = _build(JobConfig, data, "", problems)
+    if not problems:
+        _check_relations(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain, YAML- and JSON-serialisable dict of a config section or the whole job."""
+    return dataclasses.asdict(cfg)
+
+
+def _apply_override(raw: dict[str, Any], item: str, problems: list[tuple[str, str]]) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        problems.append((item, "an override must look like section.key=value, e.g. train.lr=3e-4"))
+        return
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, data: Any, path: str, problems: list[tuple[str, str]]) -> Any:
+    if not isinstance(data, dict):
+        problems.append((path or "<root>", f"expected a mapping for {cls.__name__}, got {_show(data)}"))
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            problems.append((_join(path, str(key)), _unknown(str(key), list(fields))))
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            value = _coerce(data[name], hints[name], _join(path, name), problems)
+            if value is not _BAD:
+                _check_rules(value, f.metadata, _join(path, name), problems)
+                kwargs[name] = value
+        elif f.metadata.get("nonempty") and f.default is not dataclasses.MISSING and not f.default:
+            problems.append((_join(path, name), f"is required ({f.metadata['help']})"))
+    return cls(**kwargs)
+
+
+_BAD = object()
+
+
+def _coerce(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, path, problems)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems)
+    if origin is list:
+        (item_tp,) = args
+        if isinstance(value, str) and item_tp is str:
+            value = [value]
+        if not isinstance(value, list):
+            problems.append((path, f"got {_show(value)}, expected a list of {_name(item_tp)}"))
+            return _BAD
+        items = [_coerce(v, item_tp, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return _BAD if any(i is _BAD for i in items) else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append((path, f"got {_show(value)}, expected a mapping of {_name(args[0])} to {_name(args[1])}"))
+            return _BAD
+        return {str(k): _coerce(v, args[1], f"{path}.{k}", problems) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    problems.append((path, f"got {_show(value)}, expected {_name(tp)}"))
+    return _BAD
+
+
+def _check_rules(value: Any, rules: Any, path: str, problems: list[tuple[str, str]]) -> None:
+    if value is None:
+        return
+    if rules.get("nonempty") and not value:
+        problems.append((path, f"must not be empty ({rules['help']})"))
+    if "choices" in rules and value not in rules["choices"]:
+        allowed = ", ".join(rules["choices"])
+        near = difflib.get_close_matches(str(value), rules["choices"], n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        problems.append((path, f"got {value!r}, allowed: {allowed}{hint}"))
+    bounds = [("min", lambda v, b: v >= b, "≥"), ("max", lambda v, b: v <= b, "≤"),
+              ("gt", lambda v, b: v > b, ">"), ("lt", lambda v, b: v < b, "<")]  # fmt: skip
+    values = value if isinstance(value, list) else [value]
+    for key, ok, _ in bounds:
+        if key in rules and any(isinstance(v, (int, float)) and not ok(v, rules[key]) for v in values):
+            allowed = " and ".join(f"{s} {rules[k]}" for k, _, s in bounds if k in rules)
+            problems.append((path, f"got {value!r}, allowed: {allowed}"))
+            break
+
+
+def _check_relations(cfg: JobConfig, problems: list[tuple[str, str]]) -> None:
+    if cfg.tune.lr_min > cfg.tune.lr_max:
+        problems.append(("tune.lr_min", f"got {cfg.tune.lr_min}, must not exceed tune.lr_max ({cfg.tune.lr_max})"))
+
+
+def _unknown(key: str, valid: list[str]) -> str:
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    return f"unknown key; {hint}valid keys: {', '.join(valid)}"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README, generated from the schema."""
+    rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp, key, rules = hints[f.name], f"{prefix}{f.name}", f.metadata
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{key}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            signs = (("min", "≥"), ("gt", ">"), ("max", "≤"), ("lt", "<"))
+            allowed = ", ".join(rules["choices"]) if "choices" in rules else ""
+            allowed = allowed or " and ".join(f"{sign} {rules[k]}" for k, sign in signs if k in rules)
+            name = str(tp).replace("typing.", "").replace("raylora.config.", "").replace("<class '", "")
+            name = name.replace("'>", "").replace("|", "\\|")
+            rows.append(f"| `{key}` | {name} | `{_yaml_value(default)}` | {allowed} | {rules['help']} |")
+            item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+            if dataclasses.is_dataclass(item):
+                walk(item, f"{key}[].")
+
+    walk(JobConfig, "")
+    return "\n".join(rows)
+
+
+def _yaml_value(value: Any) -> str:
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()

@@ -1,0 +1,1 @@
+"""Instruction data: reading, normalising to messages, chat rendering, tokenising with prompt masks."""

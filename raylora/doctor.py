@@ -1,0 +1,94 @@
+"""``raylora doctor``: can this environment run a job, and if not, what to fix."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import socket
+from urllib.parse import urlparse
+
+from raylora.backends import BackendError, npu, resolve_backend
+from raylora.config import JobConfig
+from raylora.tracking import tracking_uri
+
+REQUIRED = {"torch": "torch==2.13.0", "ray": "ray[data,train,tune,serve,default]", "peft": "peft",
+            "transformers": "transformers", "mlflow": "mlflow==3.17.2"}  # fmt: skip
+
+
+def check(cfg: JobConfig) -> tuple[list[tuple[str, str]], list[str]]:
+    """Inspect the environment for the job ``cfg``.
+
+    Returns:
+        ``(rows, problems)``: table rows ``(item, finding)`` and one line per blocking problem, each naming its fix.
+    """
+    rows = [("python", platform.python_version())]
+    problems = []
+    for dist, spec in REQUIRED.items():
+        try:
+            rows.append((dist, importlib.metadata.version(dist)))
+        except importlib.metadata.PackageNotFoundError:
+            rows.append((dist, "MISSING"))
+            problems.append(f"{dist} is not installed: pip install '{spec}' (or make install)")
+    torch_npu = _version("torch_npu")
+    rows.append(("torch_npu", torch_npu or "not installed"))
+    rows.append(("CANN", npu.cann_home() or "not found"))
+    try:
+        backend = resolve_backend(cfg.backend)
+        rows += [
+            ("device", f"{backend.name} ({backend.detected_by})"),
+            ("dist backend", backend.dist_backend),
+            ("ray worker resources", str(backend.scaling(cfg.train.num_workers)["resources_per_worker"]
+                                         if backend.ray_resource != "GPU" else {"GPU": 1})),
+            ("autocast", str(backend.amp_dtype or "off (fp32)") + (" + grad scaler" if backend.needs_grad_scaler else "")),
+        ]  # fmt: skip
+        if backend.name == "npu":
+            env = {**backend.env, **{k: v for k, v in os.environ.items() if k.startswith("HCCL_")}}
+            rows += [(k, v) for k, v in sorted(env.items())]
+    except BackendError as e:
+        rows.append(("device", f"UNUSABLE: backend.device={cfg.backend.device}"))
+        problems.append(str(e))
+    cluster, problem = ray_cluster()
+    rows.append(("ray cluster", cluster))
+    if problem:
+        problems.append(problem)
+    rows.append(("mlflow tracking uri", tracking_uri(cfg.tracking) if cfg.tracking.enabled else "disabled"))
+    return rows, problems
+
+
+def ray_cluster() -> tuple[str, str | None]:
+    """Where a running Ray cluster is, if any: ``RAY_ADDRESS``, else the last ``ray start`` on this host."""
+    from ray._private.utils import read_ray_address
+
+    address = os.environ.get("RAY_ADDRESS") or read_ray_address()
+    if not address or address in ("local", "auto"):
+        return "none running (jobs start a local cluster on 127.0.0.1)", None
+    parsed = urlparse(address if "://" in address else f"ray://{address}")
+    host, port = parsed.hostname, parsed.port
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return f"{address} reachable", None
+    except OSError as e:
+        if not os.environ.get("RAY_ADDRESS"):  # a stale address file: jobs will start their own cluster
+            return f"none running (last `ray start` at {address} is gone; jobs start a local cluster)", None
+        return f"{address} UNREACHABLE ({e.strerror or e})", (
+            f"RAY_ADDRESS={address} does not answer: start a cluster with "
+            "`ray start --head --node-ip-address=127.0.0.1`, or unset RAY_ADDRESS to let jobs start a local one."
+        )
+
+
+def render(rows: list[tuple[str, str]], problems: list[str]) -> str:
+    """The doctor report as a two-column table followed by problems and their fixes."""
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{'item'.ljust(width)}  finding", f"{'-' * width}  {'-' * 40}"]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("")
+    lines += [f"PROBLEM: {p}" for p in problems] or ["OK: this environment can run a raylora job."]
+    return "\n".join(lines)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,154 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raylora.backends import BackendError, cpu, cuda, npu, resolve_backend
+from raylora.config import BackendArgs
+
+MADE_UP = {"HCCL_OVER_PCIE", "HCCL_PROTOCOL", "HCCL_MEMORY_OPTIMIZE", "HCCL_GROUP_SIZE", "ENABLE_COMBINE_MEMCOPY"}
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """An NPU host as far as everything but the device itself can tell."""
+
+    def set_soc(soc):
+        monkeypatch.setattr(npu, "probe", lambda: (True, f"torch_npu with 8 NPU(s), {soc}"))
+        monkeypatch.setattr(npu, "soc_name", lambda: soc)
+
+    return set_soc
+
+
+def test_cpu_is_chosen_when_nothing_else_is_present():
+    b = resolve_backend(BackendArgs())
+    assert (b.name, b.dist_backend, b.ray_resource, b.amp_dtype, b.needs_grad_scaler) == (
+        "cpu",
+        "gloo",
+        "CPU",
+        None,
+        False,
+    )
+    assert b.detected_by.startswith("auto:") and "torch_npu is not installed" in b.detected_by
+    assert b.torch_device(3) == torch.device("cpu")
+    assert b.scaling(2) == {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1.0}}
+    assert b.env == {} and b.visible_devices_env is None
+    assert b.peak_memory_mb() > 10
+
+
+def test_cpu_precision_can_be_chosen():
+    assert resolve_backend(BackendArgs(device="cpu", precision="bf16")).amp_dtype is torch.bfloat16
+    b = resolve_backend(BackendArgs(device="cpu", precision="fp16"))
+    assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
+
+
+def test_npu_asked_for_without_torch_npu_says_how_to_install():
+    with pytest.raises(BackendError) as err:
+        resolve_backend(BackendArgs(device="npu"))
+    message = str(err.value)
+    assert "torch_npu is not installed" in message
+    assert "pip install 'raylora[npu]'" in message and "set_env.sh" in message
+
+
+def test_cuda_asked_for_without_gpu_is_refused():
+    with pytest.raises(BackendError, match="sees no CUDA device"):
+        resolve_backend(BackendArgs(device="cuda"))
+
+
+def test_auto_prefers_npu(fake_npu):
+    fake_npu("Ascend910B2")
+    b = resolve_backend(BackendArgs())
+    assert (b.name, b.dist_backend, b.ray_resource, b.visible_devices_env) == (
+        "npu",
+        "hccl",
+        "NPU",
+        "ASCEND_RT_VISIBLE_DEVICES",
+    )
+    assert "Ascend910B2" in b.detected_by
+    assert b.scaling(8, cpus_per_worker=2) == {
+        "num_workers": 8,
+        "use_gpu": False,
+        "resources_per_worker": {"CPU": 2, "NPU": 1},
+    }
+
+
+@pytest.mark.parametrize(
+    "soc,dtype,scaler",
+    [
+        ("Ascend910B1", torch.bfloat16, False),
+        ("Ascend910B4", torch.bfloat16, False),
+        ("Ascend910_9391", torch.bfloat16, False),
+        ("Ascend910A", torch.float16, True),
+        ("Ascend910ProA", torch.float16, True),
+        ("Ascend310P3", torch.float16, True),
+    ],
+)
+def test_npu_autocast_follows_the_soc(fake_npu, soc, dtype, scaler):
+    fake_npu(soc)
+    b = resolve_backend(BackendArgs(device="npu"))
+    assert (b.amp_dtype, b.needs_grad_scaler) == (dtype, scaler)
+
+
+def test_bf16_on_910a_is_refused(fake_npu):
+    fake_npu("Ascend910A")
+    with pytest.raises(BackendError, match="Ascend910A has no bf16.*backend.precision=fp16"):
+        resolve_backend(BackendArgs(device="npu", precision="bf16"))
+
+
+def test_hccl_env_holds_only_documented_variables(fake_npu):
+    fake_npu("Ascend910B3")
+    args = BackendArgs(
+        device="npu", hccl_connect_timeout=600, hccl_buffsize=400, hccl_if_ip="10.0.0.2", hccl_exec_timeout=1200
+    )
+    env = resolve_backend(args).env
+    assert env == {
+        "HCCL_CONNECT_TIMEOUT": "600",
+        "HCCL_EXEC_TIMEOUT": "1200",
+        "HCCL_BUFFSIZE": "400",
+        "HCCL_IF_IP": "10.0.0.2",
+    }
+    assert npu.hccl_env(BackendArgs()) == {"HCCL_CONNECT_TIMEOUT": "1800"}
+    assert not MADE_UP & set(env) and "HCCL_ALGO" not in env
+
+
+def test_a_broken_torch_npu_is_reported_not_raised(monkeypatch):
+    monkeypatch.setattr(npu.importlib.util, "find_spec", lambda name: object())
+
+    def broken(name):
+        raise OSError("libhccl.so: cannot open shared object file")
+
+    monkeypatch.setattr(npu.importlib, "import_module", broken)
+    ok, how = npu.probe()
+    assert not ok and "libhccl.so" in how and "set_env.sh" in how
+
+
+def test_cuda_backend_shape(monkeypatch):
+    monkeypatch.setattr(cuda, "probe", lambda: (True, "fake"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    b = resolve_backend(BackendArgs())
+    assert (b.name, b.dist_backend, b.ray_resource, b.visible_devices_env) == (
+        "cuda",
+        "nccl",
+        "GPU",
+        "CUDA_VISIBLE_DEVICES",
+    )
+    assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
+    assert b.scaling(4) == {"num_workers": 4, "use_gpu": True}
+
+
+def test_probe_order_is_npu_cuda_cpu():
+    from raylora.backends import PROBE_ORDER
+
+    assert [m.NAME for m in PROBE_ORDER] == ["npu", "cuda", "cpu"]
+    assert cpu.probe()[0] is True
+
+
+def test_importing_raylora_never_imports_torch_npu():
+    code = (
+        "import sys, raylora.backends, raylora.models, raylora.cli, raylora.doctor\n"
+        "from raylora.config import BackendArgs\n"
+        "raylora.backends.resolve_backend(BackendArgs())\n"
+        "assert 'torch_npu' not in sys.modules and 'torchair' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,61 @@
+import subprocess
+import sys
+
+import pytest
+
+from raylora.cli import COMMANDS, main
+
+
+def test_help_lists_every_command():
+    out = subprocess.run(
+        [sys.executable, "-m", "raylora.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for name in ("prepare", "train", "tune", "export", "serve", "doctor", "quickstart"):
+        assert name in out and COMMANDS[name][:30] in out
+
+
+@pytest.mark.parametrize("command", ["prepare", "train", "tune", "export", "serve"])
+def test_commands_not_landed_say_so_and_fail(command, capsys):
+    assert main([command, "configs/tiny_lora_cpu.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert f"raylora {command}: not available yet" in err and "issue" in err
+
+
+def test_bad_config_lists_all_problems_and_exits_2(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("lora: {rnak: 8, dropout: 2}\ntrain: {max_steps: ten}\n")
+    assert main(["quickstart", str(path), "backend.device=gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "has 4 problems" in err
+    for fragment in ("lora.rnak", "did you mean 'rank'", "lora.dropout", "train.max_steps", "backend.device", "'gpu'"):
+        assert fragment in err
+
+
+def test_doctor_prints_the_table_and_passes_here(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for item in ("python", "torch", "ray", "peft", "transformers", "mlflow", "torch_npu", "CANN", "device",
+                 "dist backend", "ray cluster", "mlflow tracking uri"):  # fmt: skip
+        assert f"\n{item} " in out or out.startswith(item)
+    assert "gloo" in out and "OK: this environment can run a raylora job." in out
+
+
+def test_doctor_fails_with_the_fix_when_the_device_is_missing(capsys):
+    assert main(["doctor", "configs/tiny_lora_cpu.yaml", "backend.device=npu"]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM: backend.device=npu was asked for" in out and "pip install 'raylora[npu]'" in out
+
+
+def test_doctor_flags_an_unreachable_ray_address(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "127.0.0.1:1 UNREACHABLE" in out and "ray start --head --node-ip-address=127.0.0.1" in out
+
+
+def test_model_errors_are_one_line_not_a_traceback(tmp_path, capsys):
+    rc = main(["quickstart", "configs/tiny_lora_cpu.yaml", f"model.name_or_path={tmp_path}/missing",
+               f"train.output_dir={tmp_path}/out"])  # fmt: skip
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.startswith("raylora quickstart: model.name_or_path:") and "Traceback" not in err

@@ -1,0 +1,130 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from raylora.config import (
+    ConfigError,
+    JobConfig,
+    LoraArgs,
+    SourceArgs,
+    from_dict,
+    load_config,
+    reference_markdown,
+    to_dict,
+)
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_round_trip_through_dict_and_yaml():
+    cfg = JobConfig()
+    assert from_dict(to_dict(cfg)) == cfg
+    assert from_dict(yaml.safe_load(yaml.safe_dump(to_dict(cfg)))) == cfg
+
+
+def test_full_file_round_trips(tmp_path):
+    cfg = load_config(
+        write(
+            tmp_path,
+            """
+data: {sources: [{path: a.jsonl}, {path: b.json, format: alpaca}], cutoff_len: 64, placeholders: {name: Bob}}
+lora: {rank: 4, target_modules: [q_proj, v_proj], use_dora: true}
+train: {lr: 1e-4, max_steps: 3}
+backend: {hccl_buffsize: 400}
+""",
+        )
+    )
+    assert cfg.data.sources == [SourceArgs("a.jsonl", "alpaca"), SourceArgs("b.json", "alpaca")]
+    assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.lora == LoraArgs(rank=4, target_modules=["q_proj", "v_proj"], use_dora=True)
+    assert cfg.backend.hccl_buffsize == 400
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+def test_overrides_are_coerced_to_field_types(tmp_path):
+    cfg = load_config(
+        write(tmp_path, "train: {lr: 0.1}\n"),
+        ["train.lr=3e-4", "train.max_steps=7", "tracking.enabled=false", "lora.target_modules=[q_proj,v_proj]",
+         "model.cache_dir=null", "lora.alpha=8", "data.placeholders.name=Ann"],
+    )  # fmt: skip
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.train.max_steps == 7
+    assert cfg.tracking.enabled is False
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.model.cache_dir is None
+    assert cfg.lora.alpha == 8.0 and isinstance(cfg.lora.alpha, float)
+    assert cfg.data.placeholders == {"name": "Ann"}
+
+
+def test_single_string_becomes_a_list():
+    cfg = load_config(None, ["lora.target_modules=all-linear"])
+    assert cfg.lora.target_modules == ["all-linear"]
+
+
+def test_typo_wrong_type_and_range_are_reported_together(tmp_path):
+    path = write(tmp_path, "lora:\n  rnak: 8\n  dropout: 1.5\ntrain:\n  max_steps: ten\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    problems = dict(err.value.problems)
+    assert set(problems) == {"lora.rnak", "lora.dropout", "train.max_steps"}
+    assert "did you mean 'rank'" in problems["lora.rnak"]
+    assert "'ten' (str)" in problems["train.max_steps"] and "expected int" in problems["train.max_steps"]
+    assert "1.5" in problems["lora.dropout"] and "≥ 0.0 and < 1.0" in problems["lora.dropout"]
+    message = str(err.value)
+    assert message.startswith(f"{path} has 3 problems:")
+    assert all(key in message for key in problems)
+
+
+def test_unknown_section_and_choice_suggest_nearest(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "trian: {lr: 1}\nbackend: {device: npux}\n"))
+    problems = dict(err.value.problems)
+    assert "did you mean 'train'" in problems["trian"]
+    assert "allowed: auto, npu, cuda, cpu; did you mean 'npu'?" in problems["backend.device"]
+
+
+def test_bad_overrides_join_the_file_problems(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            write(tmp_path, "lora: {rank: 0}\n"), ["train.lr", "train.lrr=1", "backend.hccl_connect_timeout=60"]
+        )
+    paths = [p for p, _ in err.value.problems]
+    assert paths == ["train.lr", "lora.rank", "train.lrr", "backend.hccl_connect_timeout"]
+    assert "did you mean 'lr'" in dict(err.value.problems)["train.lrr"]
+    assert "≥ 120 and ≤ 7200" in dict(err.value.problems)["backend.hccl_connect_timeout"]
+
+
+def test_list_items_and_nested_sections_are_checked(tmp_path):
+    text = "data:\n  sources:\n    - {path: a.json, fromat: alpaca}\n    - {format: alpaca}\ntune: {ranks: [8, -1]}\n"
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text))
+    problems = dict(err.value.problems)
+    assert "did you mean 'format'" in problems["data.sources[0].fromat"]
+    assert "is required" in problems["data.sources[1].path"]
+    assert "-1" in problems["tune.ranks"]
+
+
+def test_cross_field_rule():
+    with pytest.raises(ConfigError, match="tune.lr_min"):
+        load_config(None, ["tune.lr_min=0.1", "tune.lr_max=0.01"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "a: [1,\n"))
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(write(tmp_path, "- 1\n"))
+
+
+def test_every_field_is_documented_in_the_reference():
+    table = reference_markdown()
+    for section in dataclasses.fields(JobConfig):
+        for f in dataclasses.fields(section.default_factory()):
+            assert f"`{section.name}.{f.name}`" in table
