@@ -17,7 +17,6 @@ COMMANDS = {
     "doctor": "check that this environment can run a job, and say what to fix",
 }
 NOT_YET = {
-    "prepare": "issue #3 (Ray Data preprocessing)",
     "train": "issue #4 (Ray Train fine-tuning)",
     "tune": "the Ray Tune sweep issue, after issue #4",
     "export": "issue #5 (quantised serving and export)",
@@ -57,10 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     from raylora.backends import BackendError
     from raylora.models import ModelError
-    from raylora.train.quickstart import run_quickstart
 
     try:
-        run_quickstart(cfg)
+        if args.command == "prepare":
+            from raylora.data.pipeline import prepare
+
+            prepare(cfg)
+        else:
+            from raylora.train.quickstart import run_quickstart
+
+            run_quickstart(cfg)
     except (BackendError, ModelError, ValueError, FileNotFoundError) as e:
         print(f"raylora {args.command}: {e}", file=sys.stderr)
         return 1

@@ -29,16 +29,47 @@ def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, **
 
 @dataclass
 class SourceArgs:
-    path: str = _f("", help="JSON-array or JSONL file, a folder of them, or a glob", nonempty=True)
-    format: str = _f("alpaca", help="row format", choices=("alpaca",))
+    path: str = _f(
+        "", help="a .json (array), .jsonl, .parquet or .csv file, a folder of them, or a glob", nonempty=True
+    )
+    format: str = _f(
+        "auto",
+        help="row format; auto detects it from the first row",
+        choices=("auto", "alpaca", "sharegpt", "openai", "text"),
+    )
+    weight: float = _f(
+        1.0, help="row multiplier when mixing: 0.5 keeps a seeded half of the rows, 2 repeats each twice", gt=0
+    )
+    columns: dict[str, str] = _f(
+        help="format field or sharegpt tag -> this file's name, e.g. {output: response, user_tag: user}", factory=dict
+    )
 
 
 @dataclass
 class DataArgs:
-    sources: list[SourceArgs] = _f(help="datasets to read", factory=list)
-    cutoff_len: int = _f(512, help="maximum tokens per example; longer ones are truncated", min=8)
-    max_samples: int | None = _f(None, help="read at most this many rows per source (None: all)", min=1)
+    sources: list[SourceArgs] = _f(help="datasets to read and mix", factory=list)
+    template: str = _f(
+        "auto",
+        help="chat template: the tokenizer's own (auto; chatml if it has none) or a named fallback",
+        choices=("auto", "chatml", "alpaca"),
+    )
+    cutoff_len: int = _f(1024, help="maximum tokens per example (and per pack)", min=8)
+    truncation: str = _f(
+        "tail", help="an example over cutoff_len: tail cuts its end; reject rejects it", choices=("tail", "reject")
+    )
+    packing: bool = _f(True, help="pack several examples into each sequence (block-diagonal attention)")
+    train_on_prompt: bool = _f(False, help="learn prompt tokens too, not only the assistant turns")
+    eval_fraction: float = _f(0.0, help="fraction of rows held out for evaluation", min=0.0, lt=1.0)
+    eval_count: int | None = _f(None, help="number of rows held out for evaluation (instead of eval_fraction)", min=1)
+    seed: int = _f(42, help="seed of the train/eval split and of weight sampling")
+    max_samples: int | None = _f(None, help="read at most this many rows of each file (None: all)", min=1)
     placeholders: dict[str, str] = _f(help="values for {{key}} placeholders in the data", factory=dict)
+    max_reject_fraction: float = _f(
+        0.05, help="fail the run when more than this fraction of rows is rejected", min=0.0, max=1.0
+    )
+    output_dir: str = _f(
+        "outputs/data", help="where prepare writes shards, manifest, rejects and summary", nonempty=True
+    )
 
 
 @dataclass
@@ -307,6 +338,8 @@ def _check_rules(value: Any, rules: Any, path: str, problems: list[tuple[str, st
 
 
 def _check_relations(cfg: JobConfig, problems: list[tuple[str, str]]) -> None:
+    if cfg.data.eval_fraction > 0 and cfg.data.eval_count is not None:
+        problems.append(("data.eval_count", "set either data.eval_fraction or data.eval_count, not both"))
     if cfg.tune.lr_min > cfg.tune.lr_max:
         problems.append(("tune.lr_min", f"got {cfg.tune.lr_min}, must not exceed tune.lr_max ({cfg.tune.lr_max})"))
 

@@ -50,29 +50,36 @@ def load_model(args: ModelArgs) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     Raises:
         ModelError: missing path, unsupported GGUF architecture, incomplete cache.
     """
-    name = args.name_or_path
-    if name in TINY:
-        model, tokenizer = tiny_model(TINY[name]), tiny_tokenizer()
+    if args.name_or_path in TINY:
+        model = tiny_model(TINY[args.name_or_path])
     else:
-        if name == SMOLLM2:
-            folder = gguf_to_cache(_smollm2_gguf(), cache_root(args) / "models" / SMOLLM2)
-        else:
-            path = Path(name).expanduser()
-            if not path.exists():
-                raise ModelError(
-                    f"model.name_or_path: {path} does not exist. Give a Hugging Face model folder "
-                    f"(with config.json), a .gguf file, or a registry name: {', '.join(REGISTRY)}."
-                )
-            folder = gguf_to_cache(path, cache_root(args) / "models" / _gguf_key(path)) if path.is_file() else path
-            if not (folder / "config.json").is_file():
-                raise ModelError(
-                    f"model.name_or_path: {folder} has no config.json, so it is not a Hugging Face model folder."
-                )
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[args.dtype])
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(model_folder(args), dtype=_DTYPES[args.dtype])
+    return model.to(_DTYPES[args.dtype]).eval(), load_tokenizer(args)
+
+
+def load_tokenizer(args: ModelArgs) -> PreTrainedTokenizerBase:
+    """The tokenizer of :func:`load_model`'s model, without loading weights (after a first conversion)."""
+    tokenizer = tiny_tokenizer() if args.name_or_path in TINY else AutoTokenizer.from_pretrained(model_folder(args))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(_DTYPES[args.dtype]).eval(), tokenizer
+    return tokenizer
+
+
+def model_folder(args: ModelArgs) -> Path:
+    """The Hugging Face folder holding the model, converting a GGUF (registry or file) into the cache once."""
+    name = args.name_or_path
+    if name == SMOLLM2:
+        return gguf_to_cache(_smollm2_gguf(), cache_root(args) / "models" / SMOLLM2)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelError(
+            f"model.name_or_path: {path} does not exist. Give a Hugging Face model folder "
+            f"(with config.json), a .gguf file, or a registry name: {', '.join(REGISTRY)}."
+        )
+    folder = gguf_to_cache(path, cache_root(args) / "models" / _gguf_key(path)) if path.is_file() else path
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model.name_or_path: {folder} has no config.json, so it is not a Hugging Face model folder.")
+    return folder
 
 
 def cache_root(args: ModelArgs) -> Path:

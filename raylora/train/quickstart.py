@@ -1,24 +1,26 @@
-"""The quickstart job, top to bottom: load the base model, attach LoRA, fine-tune a few steps on one
-process, save the adapter, and answer a question with the base and the tuned model.
+"""The quickstart job, top to bottom: load the base model, attach LoRA, fine-tune a few steps in one
+process on packed examples, save the adapter, and answer a question with the base and the tuned model.
 
-It is the local, single-process precursor of the Ray Train job (``raylora train``).
+It runs the same encode and pack functions as the Ray Data pipeline, in-process and without Ray,
+and is the local precursor of the Ray Train job (``raylora train``).
 """
 
 from __future__ import annotations
 
-import glob
-import itertools
 import json
 import random
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 from raylora.backends import Backend, resolve_backend
-from raylora.config import DataArgs, JobConfig, to_dict
-from raylora.data.alpaca import RowError, read_rows, to_messages
-from raylora.data.encode import IGNORE_INDEX, encode_messages
+from raylora.config import JobConfig, to_dict
+from raylora.data.formats import to_messages
+from raylora.data.packing import collate_packs
+from raylora.data.pipeline import encode_batch, gather_side, pack_batch, plan_sources
+from raylora.data.read import first_row, iter_blocks
 from raylora.models import attach_lora, load_model
 
 
@@ -27,34 +29,38 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
 
     Returns:
         Summary dict (also written to ``summary.json``): losses per step, tokens/s, adapter folder,
-        rejected row count, and the question with the answers before and after tuning.
+        row counts, and the question with the answers before and after tuning.
     Raises:
-        ValueError: no usable training row.
+        DataError: bad sources; ValueError: no usable training row.
     """
-    out = Path(cfg.train.output_dir)
+    out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     backend = resolve_backend(cfg.backend)
     torch.manual_seed(cfg.train.seed)
+    plan = plan_sources(cfg.data)
     model, tokenizer = load_model(cfg.model)
-    examples, messages, rejects = load_examples(cfg.data, tokenizer)
-    write_rejects(out / "rejects.jsonl", rejects)
-    log(f"data: {len(examples)} examples, {len(rejects)} rejected (see {out / 'rejects.jsonl'})")
-    if not examples:
-        raise ValueError(f"no usable training row in {[s.path for s in cfg.data.sources]}; see {out / 'rejects.jsonl'}")
-    question = [m for m in messages[0] if m["role"] != "assistant"][-1:]
+    packs, counts = load_packs(cfg, plan, out)
+    log(
+        f"data: {counts['rows_kept']} rows in {len(packs)} packed sequences, {counts['rows_rejected']} rejected (see {out / 'rejects.jsonl'})"
+    )
+    if not packs:
+        raise ValueError(f"no usable training row in {', '.join(plan)}; see {out / 'rejects.jsonl'}")
+    path = next(iter(plan))
+    first = to_messages(first_row(path)[1], plan[path]["format"], plan[path]["columns"], cfg.data.placeholders)
+    question = [m for m in first if m["role"] in ("system", "user")][-1:]
     device = backend.torch_device()
     model = attach_lora(model, cfg.lora).to(device)
     with model.disable_adapter():
         before = generate(model, tokenizer, question, device)
-    losses, tokens, seconds = train_steps(model, examples, tokenizer.pad_token_id, cfg, backend, log)
+    losses, tokens, seconds = train_steps(model, packs, tokenizer.pad_token_id, cfg, backend, log)
     model.save_pretrained(out / "adapter")
     after = generate(model, tokenizer, question, device)
     summary = {
         "losses": losses,
         "tokens_per_s": tokens / seconds,
         "adapter": str(out / "adapter"),
-        "examples": len(examples),
-        "rejected": len(rejects),
+        **counts,
+        "sequences": len(packs),
         "question": question[0]["content"],
         "answer_before": before,
         "answer_after": after,
@@ -67,50 +73,24 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
     return summary
 
 
-def load_examples(data: DataArgs, tokenizer) -> tuple[list[dict], list[list[dict]], list[dict]]:
-    """Read every source, returning encoded examples, their messages, and rejected rows with reasons."""
-    examples, conversations, rejects = [], [], []
-    for source in data.sources:
-        files = sorted(glob.glob(source.path)) or [source.path]
-        files = [str(f) for p in files for f in (sorted(Path(p).glob("*.json*")) if Path(p).is_dir() else [p])]
-        for file in files:
-            if not Path(file).is_file():
-                raise FileNotFoundError(f"data.sources: {file} does not exist")
-            rows = read_rows(Path(file))
-            for line, row in itertools.islice(rows, data.max_samples):
-                try:
-                    messages = to_messages(row, data.placeholders)
-                    examples.append(encode_messages(tokenizer, messages, data.cutoff_len))
-                    conversations.append(messages)
-                except RowError as e:
-                    rejects.append({"source": file, "line": line, "reason": str(e), "row": row})
-    return examples, conversations, rejects
-
-
-def write_rejects(path: Path, rejects: list[dict]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for r in rejects:
-            f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
-
-
-def collate(examples: list[dict], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-pad a micro-batch: ``input_ids``, ``labels`` and ``attention_mask`` of shape (B, T_max)."""
-    width = max(len(e["input_ids"]) for e in examples)
-    ids = torch.full((len(examples), width), pad_id)
-    labels = torch.full((len(examples), width), IGNORE_INDEX)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[i, :n] = torch.tensor(e["input_ids"])
-        labels[i, :n] = torch.tensor(e["labels"])
-        mask[i, :n] = 1
-    return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+def load_packs(cfg: JobConfig, plan: dict, out: Path) -> tuple[list[dict], dict]:
+    """Encode and pack every training row in this process; returns the train packs and the row counts."""
+    spec = json.dumps({"data": to_dict(cfg.data), "model": to_dict(cfg.model)})
+    (out / "rejects").mkdir(exist_ok=True)
+    (out / "counts").mkdir(exist_ok=True)
+    encoded = []
+    for path in sorted(plan):
+        with open(path, "rb") as f:
+            for block in iter_blocks(f, path, cfg.data.max_samples):
+                encoded.append(encode_batch(block, spec, plan, str(out), None))
+    packs = pack_batch(pa.concat_tables(encoded), cfg.data.cutoff_len, cfg.data.packing).to_pylist()
+    return [p for p in packs if p["split"] == "train"], gather_side(out)
 
 
 def train_steps(
-    model, examples: list[dict], pad_id: int, cfg: JobConfig, backend: Backend, log
+    model, packs: list[dict], pad_id: int, cfg: JobConfig, backend: Backend, log
 ) -> tuple[list[float], int, float]:
-    """AdamW steps over shuffled micro-batches; returns per-step losses, tokens seen and seconds taken."""
+    """AdamW steps over shuffled micro-batches of packs; returns per-step losses, real tokens seen and seconds."""
     train = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     eps = 1e-6 if backend.needs_grad_scaler else 1e-8
@@ -123,8 +103,10 @@ def train_steps(
     start = time.perf_counter()
     for step in range(1, train.max_steps + 1):
         while len(pool) < train.batch_size:
-            pool += order.sample(examples, len(examples))
-        batch = collate([pool.pop() for _ in range(train.batch_size)], pad_id, backend.torch_device())
+            pool += order.sample(packs, len(packs))
+        rows = [pool.pop() for _ in range(train.batch_size)]
+        batch = collate_packs(rows, pad_id, backend.amp_dtype or model.dtype)
+        batch = {k: v.to(backend.torch_device()) for k, v in batch.items()}
         with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
             loss = model(**batch).loss
         scaler.scale(loss).backward()
@@ -135,7 +117,7 @@ def train_steps(
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        tokens += int(batch["attention_mask"].sum())
+        tokens += sum(r["num_tokens"] for r in rows)
         backend.synchronize()
         elapsed = time.perf_counter() - start
         log(f"step {step}/{train.max_steps}  loss {losses[-1]:.4f}  tokens/s {tokens / elapsed:.0f}")

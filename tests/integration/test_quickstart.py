@@ -25,12 +25,12 @@ def test_quickstart_job_trains_saves_a_peft_adapter_and_answers(tmp_path, root):
     assert "step 30/30" in proc.stdout and "with adapter:" in proc.stdout
 
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["examples"] == 3 and summary["rejected"] == 2
+    assert (summary["rows_read"], summary["rows_kept"], summary["rows_rejected"]) == (5, 3, 2)
     assert sum(summary["losses"][-5:]) / 5 < 0.8 * sum(summary["losses"][:5]) / 5
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rejects] == [
-        (4, "field 'output' is missing or not a string"),
-        (5, "empty response ('output')"),
+        (4, "field 'output' is missing, expected a string"),
+        (5, "empty response"),
     ]
     assert json.loads((out / "config.json").read_text())["train"]["max_steps"] == 30
 

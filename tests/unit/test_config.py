@@ -39,7 +39,7 @@ backend: {hccl_buffsize: 400}
 """,
         )
     )
-    assert cfg.data.sources == [SourceArgs("a.jsonl", "alpaca"), SourceArgs("b.json", "alpaca")]
+    assert cfg.data.sources == [SourceArgs("a.jsonl"), SourceArgs("b.json", "alpaca")]
     assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
     assert cfg.lora == LoraArgs(rank=4, target_modules=["q_proj", "v_proj"], use_dora=True)
     assert cfg.backend.hccl_buffsize == 400

@@ -1,7 +1,7 @@
 import pytest
 
-from raylora.data.alpaca import RowError, fill, to_messages
-from raylora.data.encode import IGNORE_INDEX, encode_messages
+from raylora.data.encode import IGNORE_INDEX, Encoded, Encoder
+from raylora.data.formats import RowError
 from raylora.models import tiny_tokenizer
 
 
@@ -10,65 +10,61 @@ def tok():
     return tiny_tokenizer()
 
 
-def learned_text(tok, encoded):
-    return tok.decode(
-        [i for i, lab in zip(encoded["input_ids"], encoded["labels"], strict=True) if lab != IGNORE_INDEX]
-    )
+def learned(tok, e: Encoded) -> str:
+    return tok.decode([i for i, lab in zip(e.input_ids, e.labels, strict=True) if lab != IGNORE_INDEX])
 
 
-def test_alpaca_row_becomes_messages_with_input_and_system():
-    row = {"system": "Be brief.", "instruction": "Translate.", "input": "Bonjour", "output": "Hello"}
-    assert to_messages(row, {}) == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Translate.\n\nBonjour"},
-        {"role": "assistant", "content": "Hello"},
-    ]
+CHAT = [
+    {"role": "system", "content": "sys"},
+    {"role": "user", "content": "q1"},
+    {"role": "assistant", "content": "a1"},
+    {"role": "user", "content": "q2"},
+    {"role": "assistant", "content": "a2"},
+]
 
 
-def test_history_turns_come_first():
-    row = {"instruction": "And 3+3?", "output": "6", "history": [["1+1?", "2"]]}
-    roles = [m["role"] for m in to_messages(row, {})]
-    assert roles == ["user", "assistant", "user", "assistant"]
+def test_every_assistant_turn_is_learned_and_nothing_else(tok):
+    (e,) = Encoder(tok, "auto", 1024, "tail", False).encode_many([CHAT])
+    assert tok.decode(e.input_ids) == tok.apply_chat_template(CHAT, tokenize=False)
+    assert learned(tok, e) == "a1<|im_end|>\na2<|im_end|>\n"
 
 
-@pytest.mark.parametrize(
-    "row,reason",
-    [
-        ({"instruction": "hi"}, "'output' is missing"),
-        ({"instruction": 3, "output": "x"}, "'instruction' is missing or not a string"),
-        ({"instruction": "hi", "output": "   "}, "empty response"),
-        ({"instruction": "hi", "output": "x", "input": ["a"]}, "'input' is not a string"),
-        ({"instruction": "hi", "output": "x", "history": [["only one"]]}, "'history' must be"),
-        (["not", "an", "object"], "row is a list"),
-        ({"instruction": "hi", "output": "I am {{name}}"}, "placeholder {{name}} has no value"),
-    ],
-)
-def test_bad_rows_say_why(row, reason):
-    with pytest.raises(RowError, match=reason.replace("{", r"\{").replace("}", r"\}").replace("'", "'")):
-        to_messages(row, {})
+def test_train_on_prompt_learns_everything(tok):
+    (e,) = Encoder(tok, "auto", 1024, "tail", True).encode_many([CHAT])
+    assert e.labels == e.input_ids
 
 
-def test_placeholders_are_filled():
-    assert fill("I am {{name}} by {{ author }}.", {"name": "Ray", "author": "us"}) == "I am Ray by us."
+def test_alpaca_fallback_template(tok):
+    (e,) = Encoder(tok, "alpaca", 1024, "tail", False).encode_many([CHAT[1:3]])
+    assert tok.decode(e.input_ids) == "### Instruction:\nq1\n\n### Response:\na1<|im_end|>\n\n"
+    assert learned(tok, e) == "a1<|im_end|>\n\n"
 
 
-def test_only_assistant_turns_are_learned(tok):
-    messages = [
-        {"role": "system", "content": "sys"},
-        {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "a1"},
-        {"role": "user", "content": "q2"},
-        {"role": "assistant", "content": "a2"},
-    ]
-    encoded = encode_messages(tok, messages, cutoff_len=1024)
-    full = tok.apply_chat_template(messages, tokenize=False)
-    assert tok.decode(encoded["input_ids"]) == full
-    assert len(encoded["labels"]) == len(encoded["input_ids"])
-    assert learned_text(tok, encoded) == "a1<|im_end|>\na2<|im_end|>\n"
+def test_tokenizer_without_template_falls_back_to_chatml(tok):
+    bare = tiny_tokenizer()
+    bare.chat_template = None
+    encoder = Encoder(bare, "auto", 1024, "tail", False)
+    assert encoder.template_name == "chatml"
+    (e,) = encoder.encode_many([CHAT])
+    assert learned(tok, e) == "a1<|im_end|>\na2<|im_end|>\n"
 
 
-def test_truncation_that_removes_every_answer_is_a_reject(tok):
-    messages = [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "y"}]
-    with pytest.raises(RowError, match="cutoff_len=20"):
-        encode_messages(tok, messages, cutoff_len=20)
-    assert len(encode_messages(tok, messages, cutoff_len=70)["input_ids"]) == 70
+def test_text_rows_learn_everything_and_end_with_eos(tok):
+    (e,) = Encoder(tok, "auto", 1024, "tail", False).encode_many([[{"role": "text", "content": "abc"}]])
+    assert tok.decode(e.input_ids) == "abc<|im_end|>" and e.labels == e.input_ids
+
+
+def test_truncation_policies(tok):
+    long = [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "y" * 10}]
+    (cut,) = Encoder(tok, "auto", 72, "tail", False).encode_many([long])
+    assert len(cut.input_ids) == 72 and learned(tok, cut) == "y" * 3
+    (rejected,) = Encoder(tok, "auto", 72, "reject", False).encode_many([long])
+    assert isinstance(rejected, RowError) and "81 tokens exceed data.cutoff_len=72" in str(rejected)
+    (gone,) = Encoder(tok, "auto", 20, "tail", False).encode_many([long])
+    assert isinstance(gone, RowError) and "no response token is left" in str(gone)
+
+
+def test_a_batch_keeps_rows_in_order(tok):
+    rows = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(5)]
+    results = Encoder(tok, "auto", 1024, "tail", False).encode_many(rows)
+    assert [learned(tok, r) for r in results] == [f"a{i}<|im_end|>\n" for i in range(5)]

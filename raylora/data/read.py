@@ -1,0 +1,210 @@
+"""Reading raw rows from JSON, JSONL, Parquet and CSV files, streaming, with their line numbers.
+
+Each row is kept as its JSON text (``raw``) with its ``source`` file and ``line`` (the line of a
+JSONL row or of the start of a JSON-array element; the 1-based row number in Parquet and CSV), so
+a rejected row can always be traced back. Parsing happens later, per row, so one bad row never
+sinks a file; a file whose structure is broken (a JSON array that stops parsing) fails at the
+first offending line.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pyarrow as pa
+from ray.data.datasource import FileBasedDatasource
+
+EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
+CHUNK = 1 << 20
+RawRow = tuple[int, str | None, str | None]  # (line, raw JSON text, error)
+
+
+def expand(path: str) -> list[str]:
+    """Files named by a file path, a folder (its data files, sorted) or a glob.
+
+    Raises:
+        FileNotFoundError: nothing matches, naming the path and the extensions read.
+    """
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.iterdir() if f.suffix in EXTENSIONS and f.is_file())
+    elif p.is_file():
+        files = [str(p)]
+    else:
+        files = sorted(f for f in glob.glob(path) if Path(f).suffix in EXTENSIONS and Path(f).is_file())
+    if not files:
+        raise FileNotFoundError(f"data.sources: {path} matches no data file (looked for {', '.join(EXTENSIONS)})")
+    unknown = [f for f in files if Path(f).suffix not in EXTENSIONS]
+    if unknown:
+        raise ValueError(f"data.sources: {unknown[0]} is not one of {', '.join(EXTENSIONS)}")
+    return [str(Path(f).resolve()) for f in files]
+
+
+def iter_raw(f: BinaryIO, path: str) -> Iterator[RawRow]:
+    """Rows of one file as ``(line, raw_json, error)``; exactly one of raw_json and error is set."""
+    suffix = Path(path).suffix
+    if suffix == ".jsonl":
+        yield from _jsonl(f)
+    elif suffix == ".json":
+        yield from _json(f, path)
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from _records(b.to_pylist() for b in pq.ParquetFile(f).iter_batches(batch_size=4096))
+    else:
+        import pyarrow.csv as pcsv
+
+        options = pcsv.ConvertOptions(strings_can_be_null=False, quoted_strings_can_be_null=False)
+        reader = pcsv.open_csv(f, convert_options=options)
+        yield from _records(b.to_pylist() for b in reader)
+
+
+def _jsonl(f: BinaryIO) -> Iterator[RawRow]:
+    rest = b""
+    line = 0
+    while True:
+        chunk = f.read(CHUNK)
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop() if chunk else b""
+        for data in lines:
+            line += 1
+            if not data.strip():
+                continue
+            try:
+                yield line, data.decode("utf-8"), None
+            except UnicodeDecodeError as e:
+                yield line, None, f"undecodable text (not UTF-8: {e.reason} at byte {e.start})"
+        if not chunk:
+            return
+
+
+def _json(f: BinaryIO, path: str) -> Iterator[RawRow]:
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    buf, pos, line, eof = "", 0, 1, False
+
+    def more() -> bool:
+        nonlocal buf, pos, eof
+        if eof:
+            return False
+        chunk = f.read(CHUNK)
+        eof = not chunk
+        try:
+            buf = buf[pos:] + utf8.decode(chunk, final=eof)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 near line {line} ({e.reason})") from None
+        pos = 0
+        return bool(chunk)
+
+    def skip(chars: str) -> None:
+        nonlocal pos, line
+        while True:
+            while pos < len(buf) and buf[pos] in chars:
+                line += buf[pos] == "\n"
+                pos += 1
+            if pos < len(buf) or not more():
+                return
+
+    skip(" \t\r\n\ufeff")
+    if pos >= len(buf) or buf[pos] != "[":
+        raise ValueError(
+            f"{path}: a .json file must hold a JSON array of rows; line {line} starts with {buf[pos : pos + 40]!r}"
+        )
+    pos += 1
+    while True:
+        skip(" \t\r\n,")
+        if pos >= len(buf):
+            raise ValueError(f"{path}: the JSON array is not closed (ends at line {line})")
+        if buf[pos] == "]":
+            return
+        while True:
+            try:
+                _, end = decoder.raw_decode(buf, pos)
+                break
+            except json.JSONDecodeError:
+                if not more():
+                    _raise_at(decoder, buf, pos, line, path)
+        yield line, buf[pos:end], None
+        line += buf.count("\n", pos, end)
+        pos = end
+
+
+def _raise_at(decoder: json.JSONDecoder, buf: str, pos: int, line: int, path: str) -> None:
+    try:
+        decoder.raw_decode(buf, pos)
+    except json.JSONDecodeError as e:  # located in the final buffer, whose start is ``line``
+        raise ValueError(f"{path}: not valid JSON at line {line + buf.count(chr(10), pos, e.pos)}: {e.msg}") from None
+
+
+def _records(batches: Iterator[list[dict[str, Any]]]) -> Iterator[RawRow]:
+    line = 0
+    for rows in batches:
+        for row in rows:
+            line += 1
+            yield line, json.dumps(row, ensure_ascii=False, default=str), None
+
+
+def first_row(path: str) -> tuple[int, Any]:
+    """The first row of a file, parsed, for format checks before the pipeline starts.
+
+    Raises:
+        ValueError: the file is empty, or its first row is not valid JSON / not decodable.
+    """
+    with open(path, "rb") as f:
+        for line, raw, error in iter_raw(f, path):
+            if error:
+                raise ValueError(f"{path}:{line}: {error}")
+            try:
+                return line, json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line}: not valid JSON ({e.msg}): {raw[:120]!r}") from None
+    raise ValueError(f"{path}: holds no rows")
+
+
+class RawRowsDatasource(FileBasedDatasource):
+    """Ray Data source of ``{source, line, raw, error}`` rows, streamed from each file in blocks."""
+
+    _FILE_EXTENSIONS = [e.lstrip(".") for e in EXTENSIONS]
+
+    def __init__(self, paths: list[str], max_rows_per_file: int | None = None, rows_per_block: int = 2048):
+        super().__init__(paths)
+        self.max_rows_per_file = max_rows_per_file
+        self.rows_per_block = rows_per_block
+
+    def _open_input_source(self, filesystem, path: str, **open_args) -> pa.NativeFile:
+        # Parquet needs random access (its footer comes last); the other formats stream.
+        if path.endswith(".parquet"):
+            return filesystem.open_input_file(path)
+        return super()._open_input_source(filesystem, path, **open_args)
+
+    def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
+        return iter_blocks(f, path, self.max_rows_per_file, self.rows_per_block)
+
+
+def iter_blocks(f: BinaryIO, path: str, max_rows: int | None, rows_per_block: int = 2048) -> Iterator[pa.Table]:
+    """The first ``max_rows`` rows of a file as Arrow tables of ``{source, line, raw, error}``."""
+    batch: list[RawRow] = []
+    for row in itertools.islice(iter_raw(f, path), max_rows):
+        batch.append(row)
+        if len(batch) == rows_per_block:
+            yield _table(path, batch)
+            batch = []
+    if batch:
+        yield _table(path, batch)
+
+
+def _table(path: str, rows: list[RawRow]) -> pa.Table:
+    return pa.table(
+        {
+            "source": pa.array([path] * len(rows), pa.string()),
+            "line": pa.array([r[0] for r in rows], pa.int64()),
+            "raw": pa.array([r[1] for r in rows], pa.string()),
+            "error": pa.array([r[2] for r in rows], pa.string()),
+        }
+    )

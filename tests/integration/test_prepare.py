@@ -1,0 +1,165 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from raylora.config import load_config
+from raylora.data.encode import IGNORE_INDEX
+from raylora.data.pipeline import DataError, build_dataset, plan_sources, prepare
+from raylora.models import tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def shards(out: Path, split: str) -> list[dict]:
+    return pads.dataset(str(out / "shards" / f"split={split}"), format="parquet").to_table().to_pylist()
+
+
+@pytest.fixture
+def mixed(tmp_path):
+    """Four formats in four file types, with one bad row of each kind a reader can meet."""
+    alpaca = [{"instruction": f"Say {i}.", "input": "", "output": f"{i} from {{{{name}}}}"} for i in range(30)]
+    lines = [json.dumps(r) for r in alpaca]
+    lines[3] = json.dumps({"instruction": "no answer"})
+    lines[7] = json.dumps({"instruction": "blank", "output": "  "})
+    lines[9] = '{"instruction": broken'
+    (tmp_path / "alpaca.jsonl").write_bytes(
+        ("\n".join(lines) + "\n").encode() + b'{"instruction": "\xff", "output": "x"}\n'
+    )
+    share = [
+        {"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(10)
+    ]
+    share[4]["conversations"][1]["from"] = "robot"
+    (tmp_path / "share.json").write_text(
+        "[\n" + ",\n".join(json.dumps(r) for r in share) + "\n]\n"
+    )  # row i on line i + 2
+    msgs = [[{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"v{i}"}] for i in range(10)]
+    pq.write_table(pa.table({"messages": msgs}), tmp_path / "chat.parquet")
+    (tmp_path / "text.csv").write_text("text\n" + "".join(f"document number {i}\n" for i in range(10)))
+    return tmp_path
+
+
+def config(tmp_path, data_dir, *overrides):
+    return load_config(
+        None,
+        [
+            f"data.sources=[{{path: {data_dir}/alpaca.jsonl}}, {{path: {data_dir}/share.json}}, "
+            f"{{path: {data_dir}/chat.parquet, weight: 2}}, {{path: {data_dir}/text.csv, format: text}}]",
+            "data.placeholders.name=Ray", "data.cutoff_len=64", "data.eval_fraction=0.2",
+            f"data.output_dir={tmp_path}/out", "model.name_or_path=tiny-llama", "data.max_reject_fraction=0.2",
+            *overrides,
+        ],
+    )  # fmt: skip
+
+
+def test_prepare_mixes_formats_rejects_bad_rows_and_packs(tmp_path, mixed):
+    cfg = config(tmp_path, mixed)
+    summary = prepare(cfg, log=lambda s: None)
+    out = tmp_path / "out"
+    assert (summary["rows_read"], summary["rows_rejected"], summary["rows_kept"]) == (61, 5, 56)
+    assert summary["examples"] == 56 + 10  # chat.parquet has weight 2
+
+    rejects = {
+        (Path(r["source"]).name, r["line"]): r["reason"]
+        for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())
+    }
+    assert rejects == {
+        ("alpaca.jsonl", 4): "field 'output' is missing, expected a string",
+        ("alpaca.jsonl", 8): "empty response",
+        ("alpaca.jsonl", 10): "not valid JSON (Expecting value)",
+        ("alpaca.jsonl", 31): "undecodable text (not UTF-8: invalid start byte at byte 17)",
+        (
+            "share.json",
+            6,
+        ): "unknown role 'robot'; expected one of 'human', 'gpt', 'system', 'function_call', 'observation' (data.sources[].columns)",
+    }
+    train, evals = shards(out, "train"), shards(out, "eval")
+    assert summary["splits"]["train"]["examples"] + summary["splits"]["eval"]["examples"] == 66
+    assert 0 < len(evals) and summary["splits"]["eval"]["examples"] < 30
+    tok = tiny_tokenizer()
+    texts = []
+    for pack in train + evals:
+        assert sum(pack["seq_lens"]) == len(pack["input_ids"]) == pack["num_tokens"] <= 64
+        start = 0
+        for n in pack["seq_lens"]:
+            assert pack["position_ids"][start : start + n] == list(range(n))
+            assert pack["labels"][start] == IGNORE_INDEX
+            texts.append(tok.decode(pack["input_ids"][start : start + n]))
+            start += n
+    assert sum("12 from Ray" in t for t in texts) == 1
+    assert sum("<|im_start|>user\nu3<|im_end|>" in t for t in texts) == 2
+    assert sum(t == "document number 5<|im_end|>" for t in texts) == 1
+    assert sum("<|im_start|>assistant\na7<|im_end|>" in t for t in texts) == 1
+    assert summary["packing_efficiency"] > 0.8
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and set(manifest["fingerprint"]["files"]) == set(plan_sources(cfg.data))
+    assert manifest["fingerprint"]["template"]["name"] == "tokenizer"
+
+
+def test_second_run_reuses_shards_until_an_input_changes(tmp_path, mixed):
+    cfg = config(tmp_path, mixed)
+    first = prepare(cfg, log=lambda s: None)
+    shard_files = sorted((tmp_path / "out" / "shards").rglob("*.parquet"))
+    messages = []
+    again = prepare(cfg, log=messages.append)
+    assert again["reused"] and again["rows_read"] == first["rows_read"]
+    assert "reusing" in messages[0] and sorted((tmp_path / "out" / "shards").rglob("*.parquet")) == shard_files
+
+    with (mixed / "text.csv").open("a") as f:
+        f.write("one more document\n")
+    third = prepare(cfg, log=lambda s: None)
+    assert "reused" not in third and third["rows_read"] == first["rows_read"] + 1
+    changed = prepare(config(tmp_path, mixed, "data.cutoff_len=128"), log=lambda s: None)
+    assert "reused" not in changed
+
+
+def test_split_is_deterministic_and_eval_count_exact(tmp_path, mixed):
+    a = prepare(config(tmp_path / "a", mixed, "data.seed=3"), log=lambda s: None)
+    b = prepare(config(tmp_path / "b", mixed, "data.seed=3"), log=lambda s: None)
+    assert shards(tmp_path / "a" / "out", "eval") == shards(tmp_path / "b" / "out", "eval")
+    assert a["splits"] == {k: {**v, "shards": v["shards"].replace("/b/", "/a/")} for k, v in b["splits"].items()}
+    only_text = f"data.sources=[{{path: {mixed}/text.csv, format: text}}]"
+    counted = prepare(
+        config(tmp_path / "c", mixed, only_text, "data.eval_fraction=0", "data.eval_count=7", "data.packing=false"),
+        log=lambda s: None,
+    )
+    assert counted["splits"]["eval"]["examples"] == 7 and counted["splits"]["train"]["examples"] == 3
+    assert counted["splits"]["eval"]["packs"] == 7  # no packing: one example per sequence
+
+
+def test_too_many_rejects_fail_after_writing_them(tmp_path, mixed):
+    with pytest.raises(DataError, match=r"5 of 61 rows were rejected, more than data.max_reject_fraction=0.05"):
+        prepare(config(tmp_path, mixed, "data.max_reject_fraction=0.05"), log=lambda s: None)
+    assert len((tmp_path / "out" / "rejects.jsonl").read_text().splitlines()) == 5
+
+
+def test_streaming_dataset_without_materialising(tmp_path, mixed):
+    cfg = config(tmp_path, mixed)
+    ds = build_dataset(cfg, tmp_path / "side")
+    packs = list(ds.iter_rows())
+    assert sum(len(p["seq_lens"]) for p in packs) == 66
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_prepares_the_shared_samples_with_smollm2(tmp_path, root):
+    """English, Chinese and identity samples end to end through `raylora prepare` (a Ray job of its own)."""
+    if not SHARED.exists():
+        pytest.skip("../shared/data is not beside this checkout")
+    proc = subprocess.run(
+        [sys.executable, "jobs/prepare.py", "configs/smollm2_prepare_cpu.yaml", f"data.output_dir={tmp_path}/out"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rows_read"] == 999 + 1000 + 91
+    assert summary["rows_rejected"] == 0 and summary["examples"] == 999 + 1000 + 182
+    assert summary["packing_efficiency"] >= 0.95
+    assert "packing efficiency" in proc.stdout and "rows/s" in proc.stdout
+    eval_rows = shards(tmp_path / "out", "eval")
+    assert eval_rows and all(max(r["position_ids"]) < 1024 for r in eval_rows)

@@ -1,0 +1,132 @@
+import pytest
+
+from raylora.data.formats import RowError, detect_format, fill, to_messages
+
+
+def msgs(*pairs):
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+def test_alpaca_with_system_input_and_history():
+    row = {
+        "system": "Be brief.",
+        "instruction": "And 3+3?",
+        "input": "quick",
+        "output": "6",
+        "history": [["1+1?", "2"]],
+    }
+    assert to_messages(row, "alpaca", {}, {}) == msgs(
+        ("system", "Be brief."), ("user", "1+1?"), ("assistant", "2"), ("user", "And 3+3?\n\nquick"), ("assistant", "6")
+    )
+
+
+def test_alpaca_column_mapping():
+    row = {"prompt": "Hi", "response": "Hello"}
+    assert to_messages(row, "alpaca", {"instruction": "prompt", "output": "response"}, {}) == msgs(
+        ("user", "Hi"), ("assistant", "Hello")
+    )
+
+
+def test_sharegpt_with_system_tool_call_and_result():
+    row = {
+        "system": "You can call tools.",
+        "conversations": [
+            {"from": "human", "value": "Weather in Paris?"},
+            {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Paris"}}'},
+            {"from": "observation", "value": '{"temp": 21}'},
+            {"from": "gpt", "value": "It is 21 °C."},
+        ],
+    }
+    assert [m["role"] for m in to_messages(row, "sharegpt", {}, {})] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+
+
+def test_sharegpt_custom_role_tags():
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    columns = {
+        "messages": "messages",
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+    }
+    assert to_messages(row, "sharegpt", columns, {}) == msgs(("user", "a"), ("assistant", "b"))
+
+
+def test_openai_messages_with_text_parts():
+    row = {
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]},
+            {"role": "assistant", "content": "hi"},
+        ]
+    }
+    assert to_messages(row, "openai", {}, {}) == msgs(("system", "s"), ("user", "hello"), ("assistant", "hi"))
+
+
+def test_text_rows():
+    assert to_messages({"text": "Once upon a time"}, "text", {}, {}) == msgs(("text", "Once upon a time"))
+
+
+@pytest.mark.parametrize(
+    "row,fmt,reason",
+    [
+        ({"instruction": "hi"}, "alpaca", "field 'output' is missing, expected a string"),
+        ({"instruction": 3, "output": "x"}, "alpaca", "field 'instruction' is int, expected a string"),
+        ({"instruction": "hi", "output": "   "}, "alpaca", "empty response"),
+        ({"instruction": "hi", "output": "x", "input": ["a"]}, "alpaca", "field 'input' is list, expected a string"),
+        (
+            {"instruction": "hi", "output": "x", "history": [["only one"]]},
+            "alpaca",
+            "list of \\[prompt, response\\] string pairs",
+        ),
+        (["not", "an", "object"], "alpaca", "row is a list, not an object"),
+        ({"instruction": "hi", "output": "I am {{name}}"}, "alpaca", "placeholder \\{\\{name\\}\\} has no value"),
+        (
+            {"conversations": [{"from": "human", "value": "a"}, {"from": "robot", "value": "b"}]},
+            "sharegpt",
+            "unknown role 'robot'",
+        ),
+        ({"conversations": [{"from": "human", "value": "a"}]}, "sharegpt", "no assistant turn"),
+        ({"conversations": []}, "sharegpt", "not a non-empty list"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]},
+            "openai",
+            "unknown role 'bot'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": 5}]},
+            "openai",
+            "content of a assistant turn is int",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "b"}]},
+            "openai",
+            "content parts",
+        ),
+        ({"text": ""}, "text", "empty text"),
+    ],
+)
+def test_bad_rows_say_why(row, fmt, reason):
+    with pytest.raises(RowError, match=reason):
+        to_messages(row, fmt, {}, {})
+
+
+def test_placeholders_are_filled():
+    assert fill("I am {{name}} by {{ author }}.", {"name": "Ray", "author": "us"}) == "I am Ray by us."
+    row = {"instruction": "Who?", "output": "{{name}}"}
+    assert to_messages(row, "alpaca", {}, {"name": "Ray"})[-1]["content"] == "Ray"
+
+
+@pytest.mark.parametrize(
+    "row,fmt",
+    [({"instruction": "a", "output": "b"}, "alpaca"), ({"conversations": []}, "sharegpt"), ({"messages": []}, "openai"),
+     ({"text": "x"}, "text"), ({"foo": 1}, None), ([1], None)],
+)  # fmt: skip
+def test_format_detection(row, fmt):
+    assert detect_format(row) == fmt
