@@ -35,7 +35,8 @@ demo: install
 	$(VENV)/bin/raylora quickstart configs/smollm2_lora_cpu.yaml
 
 bench: install
-	@echo "no benchmarks yet: they land with the data, training and serving issues"; exit 1
+	$(PIP) -e ".[bench]"
+	$(PY) bench/data.py
 
 lint: install
 	$(VENV)/bin/ruff check raylora tests jobs

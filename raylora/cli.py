@@ -17,7 +17,6 @@ COMMANDS = {
     "doctor": "check that this environment can run a job, and say what to fix",
 }
 NOT_YET = {
-    "train": "issue #4 (Ray Train fine-tuning)",
     "tune": "the Ray Tune sweep issue, after issue #4",
     "export": "issue #5 (quantised serving and export)",
     "serve": "issue #5 (Ray Serve)",
@@ -55,18 +54,27 @@ def main(argv: list[str] | None = None) -> int:
         print(render(rows, problems))
         return 1 if problems else 0
     from raylora.backends import BackendError
-    from raylora.models import ModelError
+    from raylora.model_files import ModelError
+    from raylora.tracking import TrackingError
+    from raylora.train.checkpoint import CheckpointError
+    from raylora.train.fit import TrainingError
+
+    expected = (BackendError, ModelError, TrackingError, CheckpointError, TrainingError, ValueError, FileNotFoundError)
 
     try:
         if args.command == "prepare":
             from raylora.data.pipeline import prepare
 
             prepare(cfg)
+        elif args.command == "train":
+            from raylora.train.fit import fit
+
+            fit(cfg)
         else:
             from raylora.train.quickstart import run_quickstart
 
             run_quickstart(cfg)
-    except (BackendError, ModelError, ValueError, FileNotFoundError) as e:
+    except expected as e:
         print(f"raylora {args.command}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -99,14 +99,30 @@ class LoraArgs:
 
 @dataclass
 class TrainArgs:
-    output_dir: str = _f("outputs/run", help="folder for adapters, checkpoints and plots", nonempty=True)
+    output_dir: str = _f(
+        "outputs/run", help="folder for the adapter, resolved config, loss plot and Ray's checkpoints", nonempty=True
+    )
     max_steps: int = _f(10, help="optimizer steps", min=1)
-    batch_size: int = _f(2, help="examples per micro-batch per worker", min=1)
+    batch_size: int = _f(2, help="packed sequences per micro-batch per worker", min=1)
+    grad_accum: int = _f(
+        1, help="micro-batches per optimizer step; all but the last skip the all-reduce (no_sync)", min=1
+    )
     lr: float = _f(2e-4, help="peak learning rate", gt=0, max=1.0)
+    lr_mlp_scale: float = _f(1.0, help="learning-rate multiplier for LoRA weights on MLP layers (attention: 1)", gt=0)
+    scheduler: str = _f("cosine", help="learning-rate decay after warm-up", choices=("cosine", "linear", "constant"))
+    warmup_steps: int = _f(0, help="linear warm-up steps", min=0)
     weight_decay: float = _f(0.0, help="AdamW weight decay", min=0.0)
+    adam_eps: float = _f(1e-8, help="AdamW epsilon (raised to 1e-6 under fp16)", gt=0)
     max_grad_norm: float = _f(1.0, help="gradient clipping norm (0 disables)", min=0.0)
     seed: int = _f(42, help="random seed")
     num_workers: int = _f(1, help="Ray Train workers (one per device)", min=1)
+    cpus_per_worker: float = _f(1.0, help="CPUs Ray reserves per worker", gt=0)
+    log_every: int = _f(1, help="steps between progress lines and MLflow metrics", min=1)
+    eval_every: int = _f(0, help="steps between evaluations (0: only at the end)", min=0)
+    checkpoint_every: int = _f(0, help="steps between checkpoints (0: only at the end)", min=0)
+    keep_checkpoints: int = _f(2, help="checkpoints kept (the newest)", min=1)
+    max_failures: int = _f(2, help="worker-group restarts from the last checkpoint before the run fails", min=0)
+    nan_tolerance: int = _f(5, help="non-finite steps in a row before rolling back to the last good checkpoint", min=1)
 
 
 @dataclass

@@ -1,10 +1,24 @@
-"""MLflow tracking: where runs are stored."""
+"""MLflow tracking: one run per job, opened on the driver, written to by rank 0 only.
+
+The driver creates the run (so a worker group restarted after a failure keeps logging to the same
+run) and passes its id to the workers; :func:`metric_logger` gives rank 0 a logging function
+and every other rank ``None``.
+"""
 
 from __future__ import annotations
 
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from raylora.config import TrackingArgs
+
+
+class TrackingError(RuntimeError):
+    """The MLflow store cannot be reached; the message names the URI and the fix."""
 
 
 def tracking_uri(args: TrackingArgs) -> str:
@@ -14,3 +28,66 @@ def tracking_uri(args: TrackingArgs) -> str:
     against each process's own working folder, and Ray workers run elsewhere.
     """
     return args.uri or f"sqlite:///{Path('mlflow.db').resolve()}"
+
+
+def check_reachable(uri: str) -> None:
+    """Fail fast, before any cluster work, when an HTTP tracking server does not answer."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5) as response:
+            response.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise TrackingError(
+            f"the MLflow tracking server {uri} does not answer ({getattr(e, 'reason', e)}). Start it "
+            f"(mlflow server --host 127.0.0.1 --port ...), fix tracking.uri, or set tracking.enabled=false."
+        ) from None
+
+
+def start_run(args: TrackingArgs, run_name: str, params: dict[str, Any]) -> str | None:
+    """Create the job's run with its parameters; returns the run id (``None`` when tracking is off)."""
+    if not args.enabled:
+        return None
+    import mlflow
+
+    uri = tracking_uri(args)
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name(args.experiment)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(args.experiment)
+    run = client.create_run(experiment_id, run_name=run_name)
+    for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+        chunk = list(params.items())[i : i + 100]
+        client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)[:6000]) for k, v in chunk])
+    return run.info.run_id
+
+
+def metric_logger(uri: str | None, run_id: str | None, rank: int) -> Callable[[dict[str, float], int], None] | None:
+    """A function logging ``{name: value}`` at a step to ``run_id``, on rank 0; ``None`` elsewhere or when off."""
+    if run_id is None or rank != 0:
+        return None
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+
+    def log(values: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[mlflow.entities.Metric(k, float(v), now, step) for k, v in values.items()])
+
+    return log
+
+
+def finish_run(args: TrackingArgs, run_id: str | None, artifacts: list[Path], status: str) -> None:
+    """Upload ``artifacts`` (files or folders) and close the run as FINISHED or FAILED."""
+    if run_id is None:
+        return
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(args))
+    for path in artifacts:
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), artifact_path=path.name)
+        elif path.exists():
+            client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id, status=status)

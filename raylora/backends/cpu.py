@@ -6,6 +6,8 @@ from raylora.backends.base import Backend, amp_from_precision
 from raylora.config import BackendArgs
 
 NAME = "cpu"
+DIST_BACKEND = "gloo"
+RAY_RESOURCE = "CPU"
 INSTALL_HINT = ""
 
 
@@ -15,4 +17,4 @@ def probe() -> tuple[bool, str]:
 
 def make(args: BackendArgs, detected_by: str) -> Backend:
     dtype, scaler = amp_from_precision(args.precision, (None, False))
-    return Backend(NAME, detected_by, "gloo", "CPU", None, dtype, scaler)
+    return Backend(NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, None, dtype, scaler)

@@ -8,6 +8,8 @@ from raylora.backends.base import Backend, amp_from_precision
 from raylora.config import BackendArgs
 
 NAME = "cuda"
+DIST_BACKEND = "nccl"
+RAY_RESOURCE = "GPU"
 INSTALL_HINT = "Install a CUDA build of torch (make install TORCH_SPEC='torch --index-url <your CUDA wheel index>') or use backend.device=cpu."
 
 
@@ -20,4 +22,4 @@ def probe() -> tuple[bool, str]:
 def make(args: BackendArgs, detected_by: str) -> Backend:
     bf16 = torch.cuda.is_bf16_supported()
     dtype, scaler = amp_from_precision(args.precision, (torch.bfloat16, False) if bf16 else (torch.float16, True))
-    return Backend(NAME, detected_by, "nccl", "GPU", "CUDA_VISIBLE_DEVICES", dtype, scaler)
+    return Backend(NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "CUDA_VISIBLE_DEVICES", dtype, scaler)

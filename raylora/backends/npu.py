@@ -16,6 +16,8 @@ from raylora.backends.base import Backend, BackendError, amp_from_precision
 from raylora.config import BackendArgs
 
 NAME = "npu"
+DIST_BACKEND = "hccl"
+RAY_RESOURCE = "NPU"
 INSTALL_HINT = (
     "Install Ascend CANN (toolkit and kernels) for your driver, run "
     "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`, then `pip install 'raylora[npu]'` "
@@ -87,4 +89,6 @@ def make(args: BackendArgs, detected_by: str) -> Backend:
     if args.precision == "bf16" and auto[0] is not torch.bfloat16:
         raise BackendError(f"{soc} has no bf16 support; use backend.precision=fp16 (with a grad scaler) or auto")
     dtype, scaler = amp_from_precision(args.precision, auto)
-    return Backend(NAME, detected_by, "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES", dtype, scaler, hccl_env(args))
+    return Backend(
+        NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "ASCEND_RT_VISIBLE_DEVICES", dtype, scaler, hccl_env(args)
+    )

@@ -7,31 +7,47 @@ it, for any template. All segments of a batch are tokenised in one call to the f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from raylora.data.formats import Message, RowError
-from raylora.models import CHATML
+from raylora.templates import CHATML, FALLBACK_TEMPLATES
 
 IGNORE_INDEX = -100
-ALPACA = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
-    "{% elif m['role'] == 'user' %}{{ '### Instruction:\n' + m['content'] + '\n\n' }}"
-    "{% elif m['role'] == 'assistant' %}{{ '### Response:\n' + m['content'] + eos_token + '\n\n' }}"
-    "{% else %}{{ '### Tool result:\n' + m['content'] + '\n\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '### Response:\n' }}{% endif %}"
-)
-FALLBACK_TEMPLATES = {"chatml": CHATML, "alpaca": ALPACA}
 
 
-def template_source(tokenizer: PreTrainedTokenizerBase, name: str) -> tuple[str, str]:
-    """``(name, jinja source)``: the tokenizer's own template for ``auto`` (chatml when it has none), else a named fallback."""
-    if name == "auto":
-        return ("tokenizer", tokenizer.chat_template) if tokenizer.chat_template else ("chatml", CHATML)
-    return name, FALLBACK_TEMPLATES[name]
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What an encoder needs of a tokenizer, as plain strings: workers rebuild it without transformers or torch.
+
+    Attributes:
+        tokenizer_json: the fast tokenizer's serialised form (``tokenizers.Tokenizer.to_str()``).
+        template_name: ``tokenizer`` (its own chat template) or a fallback name.
+        template: the Jinja chat template.
+        specials: special tokens by role (``eos_token``, ``bos_token``, ...), passed to the template.
+    """
+
+    tokenizer_json: str
+    template_name: str
+    template: str
+    specials: dict[str, str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tokenizer_spec(tokenizer, template: str) -> TokenizerSpec:
+    """The :class:`TokenizerSpec` of a Hugging Face fast tokenizer for ``data.template``.
+
+    ``auto`` takes the tokenizer's own chat template, or chatml when it has none; other names pick a fallback.
+    """
+    if template == "auto":
+        name, source = ("tokenizer", tokenizer.chat_template) if tokenizer.chat_template else ("chatml", CHATML)
+    else:
+        name, source = template, FALLBACK_TEMPLATES[template]
+    specials = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    return TokenizerSpec(tokenizer.backend_tokenizer.to_str(), name, source, specials)
 
 
 @dataclass
@@ -41,21 +57,22 @@ class Encoded:
 
 
 class Encoder:
-    """Encodes conversations for one tokenizer and template (compiled once per process).
+    """Encodes conversations for one tokenizer and template (built once per process).
 
     Args:
-        tokenizer: a fast tokenizer.
-        template: ``auto``, ``chatml`` or ``alpaca`` (see :func:`template_source`).
+        spec: the tokenizer and template (:func:`tokenizer_spec`).
         cutoff_len: maximum tokens per example.
         truncation: ``tail`` cuts longer examples to ``cutoff_len``; ``reject`` rejects them.
         train_on_prompt: learn every token, not only the assistant turns.
     """
 
-    def __init__(self, tokenizer, template: str, cutoff_len: int, truncation: str, train_on_prompt: bool):
-        self.tokenizer = tokenizer
-        self.template_name, source = template_source(tokenizer, template)
-        self.template = _compile_jinja_template(source)
-        self.specials = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    def __init__(self, spec: TokenizerSpec, cutoff_len: int, truncation: str, train_on_prompt: bool):
+        from tokenizers import Tokenizer
+
+        self.backend = Tokenizer.from_str(spec.tokenizer_json)
+        self.template_name = spec.template_name
+        self.template = _compile_jinja_template(spec.template)
+        self.specials = spec.specials
         self.cutoff_len, self.truncation, self.train_on_prompt = cutoff_len, truncation, train_on_prompt
 
     def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
@@ -64,7 +81,7 @@ class Encoder:
     def segments(self, messages: list[Message]) -> list[tuple[str, bool]]:
         """``[(text, learned), ...]`` whose concatenation is the rendered conversation."""
         if messages[0]["role"] == "text":
-            return [(messages[0]["content"] + (self.tokenizer.eos_token or ""), True)]
+            return [(messages[0]["content"] + self.specials.get("eos_token", ""), True)]
         out: list[tuple[str, bool]] = []
         done = ""
         for i, message in enumerate(messages):
@@ -89,7 +106,8 @@ class Encoder:
             except RowError as e:
                 plans.append(e)
         texts = [text for plan in plans if not isinstance(plan, RowError) for text, _ in plan]
-        ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        # The Rust tokenizer directly, without offsets: a third faster than the transformers wrapper.
+        ids = iter(e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False))
         results: list[Encoded | RowError] = []
         for plan in plans:
             if isinstance(plan, RowError):

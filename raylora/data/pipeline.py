@@ -8,7 +8,6 @@ that met them, next to the output; so are per-batch counts that the summary adds
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import shutil
@@ -17,17 +16,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
-from raylora.config import DataArgs, JobConfig, from_dict, to_dict
-from raylora.data.encode import Encoder, template_source
-from raylora.data.formats import DEFAULT_COLUMNS, FORMATS, RowError, detect_format, to_messages
-from raylora.data.packing import join, pack_lengths
+from raylora.config import DataArgs, JobConfig, to_dict
+from raylora.data.encode import TokenizerSpec, tokenizer_spec
+from raylora.data.formats import DEFAULT_COLUMNS, FORMATS, detect_format
 from raylora.data.read import RawRowsDatasource, expand, first_row
-from raylora.models import load_tokenizer
+from raylora.data.transforms import encode_batch, pack_batch, unit_hash, worker_spec, write_shard
+from raylora.model_files import load_tokenizer
 
-ENCODE_BATCH = 1024
-PACK_BATCH = 8192
+BLOCK_BYTES = 8 << 20
+ENCODE_ROWS = 2048
 
 
 class DataError(ValueError):
@@ -91,13 +88,18 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
 
 
 def build_dataset(
-    cfg: JobConfig, side_dir: Path, plan: dict[str, dict[str, Any]] | None = None, eval_keys: frozenset | None = None
+    cfg: JobConfig,
+    side_dir: Path,
+    spec: TokenizerSpec | None = None,
+    plan: dict[str, dict[str, Any]] | None = None,
+    eval_keys: frozenset | None = None,
 ):
     """The lazy Ray dataset of packs (or single examples) with a ``split`` column (train / eval).
 
     Args:
         cfg: the job; ``cfg.data`` and ``cfg.model`` (for the tokenizer) are used.
         side_dir: folder for the rejects and per-batch counts that workers write.
+        spec: the tokenizer and template (loaded from ``cfg.model`` if not given).
         plan: from :func:`plan_sources` (computed if not given).
         eval_keys: exact ``(source, line)`` rows to hold out, for ``data.eval_count``.
     Returns:
@@ -109,144 +111,43 @@ def build_dataset(
     plan = plan or plan_sources(cfg.data)
     (side_dir / "rejects").mkdir(parents=True, exist_ok=True)
     (side_dir / "counts").mkdir(parents=True, exist_ok=True)
-    spec = json.dumps({"data": to_dict(cfg.data), "model": to_dict(cfg.model)})
+    spec = spec or tokenizer_spec(load_tokenizer(cfg.model), cfg.data.template)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
-    ds = ray.data.read_datasource(RawRowsDatasource(sorted(plan), max_rows_per_file=cfg.data.max_samples))
+    # Ray coalesces small blocks up to 128 MiB; a block of raw rows that large becomes gigabytes of token
+    # lists in one task. Small blocks keep a task's memory flat however large its file.
+    ctx.target_max_block_size = BLOCK_BYTES
+    # one read task per file, no splitting: read, encode, pack and write then fuse into one task per file
+    reader = RawRowsDatasource(sorted(plan), max_rows_per_file=cfg.data.max_samples)
+    ds = ray.data.read_datasource(reader, override_num_blocks=len(plan))
     ds = ds.map_batches(
-        encode_batch, batch_size=ENCODE_BATCH, batch_format="pyarrow",
-        fn_kwargs={"spec": spec, "plan": plan, "side_dir": str(side_dir), "eval_keys": eval_keys},
+        encode_batch, batch_size=ENCODE_ROWS, batch_format="pyarrow",
+        fn_kwargs={"spec": worker_spec(cfg.data, spec), "plan": plan, "side_dir": str(side_dir), "eval_keys": eval_keys},
     )  # fmt: skip
     return ds.map_batches(
-        pack_batch, batch_size=PACK_BATCH, batch_format="pyarrow",
+        pack_batch, batch_size=None, batch_format="pyarrow",
         fn_kwargs={"cutoff_len": cfg.data.cutoff_len, "packing": cfg.data.packing},
     )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=4)
-def _encoder(spec: str) -> tuple[DataArgs, Encoder]:
-    """One encoder per job spec per worker process: tokenizer loading and template compiling happen once."""
-    cfg = from_dict(json.loads(spec))
-    data = cfg.data
-    return data, Encoder(
-        load_tokenizer(cfg.model), data.template, data.cutoff_len, data.truncation, data.train_on_prompt
-    )
-
-
-def unit_hash(*parts: Any) -> float:
-    """A stable pseudo-random number in [0, 1) for a row (Python's ``hash`` differs between processes)."""
-    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
-def encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_keys: frozenset | None) -> pa.Table:
-    """Raw rows → encoded examples (repeated by weight, assigned to a split); rejects go to ``side_dir``."""
-    data, encoder = _encoder(spec)
-    rows = batch.to_pylist()
-    rejects: list[dict] = []
-    kept, conversations = [], []
-    for r in rows:
-        if r["error"]:
-            rejects.append({**r, "reason": r.pop("error")})
-            continue
-        source = plan[r["source"]]
-        try:
-            row = json.loads(r["raw"])
-        except json.JSONDecodeError as e:
-            rejects.append({**r, "reason": f"not valid JSON ({e.msg})"})
-            continue
-        try:
-            conversations.append(to_messages(row, source["format"], source["columns"], data.placeholders))
-            kept.append(r)
-        except RowError as e:
-            rejects.append({**r, "reason": str(e)})
-    out: dict[str, list] = {"input_ids": [], "labels": [], "split": []}
-    examples = 0
-    for r, result in zip(kept, encoder.encode_many(conversations), strict=True):
-        if isinstance(result, RowError):
-            rejects.append({**r, "reason": str(result)})
-            continue
-        key = (r["source"], r["line"])
-        if eval_keys is not None:
-            split = "eval" if key in eval_keys else "train"
-        else:
-            split = "eval" if unit_hash(data.seed, "split", *key) < data.eval_fraction else "train"
-        weight = plan[r["source"]]["weight"]
-        copies = int(weight) + (unit_hash(data.seed, "weight", *key) < weight - int(weight))
-        for _ in range(copies):
-            out["input_ids"].append(result.input_ids)
-            out["labels"].append(result.labels)
-            out["split"].append(split)
-        examples += copies
-    _write_side(Path(side_dir), rows, rejects, examples)
-    return pa.table(
-        {
-            "input_ids": pa.array(out["input_ids"], pa.list_(pa.int32())),
-            "labels": pa.array(out["labels"], pa.list_(pa.int32())),
-            "split": pa.array(out["split"], pa.string()),
-        }
-    )
-
-
-def _write_side(side_dir: Path, rows: list[dict], rejects: list[dict], examples: int) -> None:
-    # Named by the batch's first row, so a retried task overwrites its own files instead of adding to them.
-    name = f"{unit_hash(rows[0]['source'], rows[0]['line']):.16f}"[2:] if rows else "empty"
-    reasons = Counter(r["reason"].split(";")[0] for r in rejects)
-    counts = {
-        "read": len(rows),
-        "rejected": len(rejects),
-        "kept": len(rows) - len(rejects),
-        "examples": examples,
-        "reasons": reasons,
-    }
-    (side_dir / "counts" / f"{name}.json").write_text(json.dumps(counts))
-    if rejects:
-        lines = [
-            json.dumps(
-                {"source": r["source"], "line": r["line"], "reason": r["reason"], "row": r["raw"]}, ensure_ascii=False
-            )
-            for r in rejects
-        ]
-        (side_dir / "rejects" / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
-    """Encoded examples → packs of at most ``cutoff_len`` tokens, train and eval packed apart."""
-    ids = batch.column("input_ids").to_pylist()
-    labels = batch.column("labels").to_pylist()
-    splits = batch.column("split").to_pylist()
-    packs: list[dict] = []
-    for split in ("train", "eval"):
-        members = [i for i, s in enumerate(splits) if s == split]
-        lengths = [len(ids[i]) for i in members]
-        bins = pack_lengths(lengths, cutoff_len) if packing else [[j] for j in range(len(members))]
-        for b in bins:
-            packs.append({**join([(ids[members[j]], labels[members[j]]) for j in b]), "split": split})
-    ints = pa.list_(pa.int32())
-    return pa.table(
-        {
-            "input_ids": pa.array([p["input_ids"] for p in packs], ints),
-            "labels": pa.array([p["labels"] for p in packs], ints),
-            "position_ids": pa.array([p["position_ids"] for p in packs], ints),
-            "seq_lens": pa.array([p["seq_lens"] for p in packs], ints),
-            "num_tokens": pa.array([sum(p["seq_lens"]) for p in packs], pa.int32()),
-            "split": pa.array([p["split"] for p in packs], pa.string()),
-        }
-    )
-
-
-def fingerprint(cfg: JobConfig, plan: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def fingerprint(cfg: JobConfig, plan: dict[str, dict[str, Any]], spec: TokenizerSpec) -> dict[str, Any]:
     """Everything the shards depend on: input files (size and sha256), tokenizer, template and data settings."""
-    tokenizer = load_tokenizer(cfg.model)
-    name, source = template_source(tokenizer, cfg.data.template)
     files = {p: {"bytes": Path(p).stat().st_size, "sha256": _sha256(Path(p)), **plan[p]} for p in sorted(plan)}
     data = {k: v for k, v in to_dict(cfg.data).items() if k not in ("output_dir", "max_reject_fraction")}
     return {
         "files": files,
-        "tokenizer": {"model": cfg.model.name_or_path, "vocab": len(tokenizer), "eos": tokenizer.eos_token},
-        "template": {"name": name, "sha256": hashlib.sha256(source.encode()).hexdigest()},
+        "tokenizer": {
+            "model": cfg.model.name_or_path,
+            "sha256": _sha256_text(spec.tokenizer_json),
+            "specials": spec.specials,
+        },
+        "template": {"name": spec.template_name, "sha256": _sha256_text(spec.template)},
         "data": data,
     }
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -269,13 +170,14 @@ def prepare(cfg: JobConfig, log=print) -> dict[str, Any]:
 
     out = Path(cfg.data.output_dir).resolve()
     plan = plan_sources(cfg.data)
-    fp = fingerprint(cfg, plan)
+    spec = tokenizer_spec(load_tokenizer(cfg.model), cfg.data.template)
+    fp = fingerprint(cfg, plan, spec)
     manifest_path = out / "manifest.json"
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("fingerprint") == fp and manifest.get("complete"):
             log(f"reusing {out}: inputs, tokenizer and settings are unchanged")
-            return {**manifest["summary"], "reused": True}
+            return _check_rejects({**manifest["summary"], "reused": True}, cfg.data, out)
     for stale in ("shards", "rejects", "counts", "rejects.jsonl", "summary.json", "manifest.json"):
         target = out / stale
         shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
@@ -283,18 +185,24 @@ def prepare(cfg: JobConfig, log=print) -> dict[str, Any]:
     ensure_ray()
     start = time.perf_counter()
     eval_keys = _eval_keys(cfg, plan) if cfg.data.eval_count else None
-    ds = build_dataset(cfg, out, plan, eval_keys)
-    ds.write_parquet(str(out / "shards"), partition_cols=["split"])
+    written = build_dataset(cfg, out, spec, plan, eval_keys).map_batches(
+        write_shard, batch_size=None, batch_format="pyarrow", fn_kwargs={"folder": str(out / "shards")}
+    )
+    counts = written.take_all()
     seconds = time.perf_counter() - start
-    summary = summarise(out, cfg.data, seconds)
+    summary = summarise(out, counts, cfg.data, seconds)
     manifest = {"fingerprint": fp, "summary": summary, "complete": True, "raylora": _version()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
     log(render_summary(summary, out))
-    if summary["rows_read"] and summary["rows_rejected"] / summary["rows_read"] > cfg.data.max_reject_fraction:
+    return _check_rejects(summary, cfg.data, out)
+
+
+def _check_rejects(summary: dict[str, Any], data: DataArgs, out: Path) -> dict[str, Any]:
+    if summary["rows_read"] and summary["rows_rejected"] / summary["rows_read"] > data.max_reject_fraction:
         raise DataError(
             f"{summary['rows_rejected']} of {summary['rows_read']} rows were rejected, more than "
-            f"data.max_reject_fraction={cfg.data.max_reject_fraction}; see {out / 'rejects.jsonl'}"
+            f"data.max_reject_fraction={data.max_reject_fraction}; see {out / 'rejects.jsonl'}"
         )
     return summary
 
@@ -303,7 +211,8 @@ def _eval_keys(cfg: JobConfig, plan: dict) -> frozenset:
     """The ``data.eval_count`` rows with the smallest seeded hashes: an exact, reproducible hold-out."""
     import ray.data
 
-    raw = ray.data.read_datasource(RawRowsDatasource(sorted(plan), max_rows_per_file=cfg.data.max_samples))
+    reader = RawRowsDatasource(sorted(plan), max_rows_per_file=cfg.data.max_samples)
+    raw = ray.data.read_datasource(reader, override_num_blocks=len(plan))
     keys = raw.select_columns(["source", "line"]).take_all()
     ranked = sorted(keys, key=lambda k: unit_hash(cfg.data.seed, "split", k["source"], k["line"]))
     return frozenset((k["source"], k["line"]) for k in ranked[: cfg.data.eval_count])
@@ -329,23 +238,19 @@ def gather_side(out: Path) -> dict[str, Any]:
     }
 
 
-def summarise(out: Path, data: DataArgs, seconds: float) -> dict[str, Any]:
-    """The run's counts (:func:`gather_side`) plus what the shards hold, packing efficiency and throughput."""
-    import pyarrow.dataset as pads
-
+def summarise(out: Path, counts: list[dict[str, Any]], data: DataArgs, seconds: float) -> dict[str, Any]:
+    """The run's row counts (:func:`gather_side`) plus what the shards hold (``counts`` from
+    :func:`~raylora.data.transforms.write_shard`), packing efficiency and throughput."""
     summary = gather_side(out)
     splits = {}
     for split in ("train", "eval"):
-        folder = out / "shards" / f"split={split}"
-        table = (
-            pads.dataset(str(folder), format="parquet").to_table(columns=["num_tokens", "seq_lens"])
-            if folder.exists()
-            else None
-        )
-        packs = table.num_rows if table is not None else 0
-        tokens = sum(table.column("num_tokens").to_pylist()) if table is not None else 0
-        examples = sum(len(s) for s in table.column("seq_lens").to_pylist()) if table is not None else 0
-        splits[split] = {"packs": packs, "examples": examples, "tokens": tokens, "shards": str(folder)}
+        mine = [c for c in counts if c["split"] == split]
+        splits[split] = {
+            "packs": sum(c["packs"] for c in mine),
+            "examples": sum(c["examples"] for c in mine),
+            "tokens": sum(c["tokens"] for c in mine),
+            "shards": str(out / "shards" / f"split={split}"),
+        }
     packs = splits["train"]["packs"] + splits["eval"]["packs"]
     tokens = splits["train"]["tokens"] + splits["eval"]["tokens"]
     return {

@@ -17,10 +17,12 @@ import torch
 
 from raylora.backends import Backend, resolve_backend
 from raylora.config import JobConfig, to_dict
+from raylora.data.collate import collate_packs
+from raylora.data.encode import tokenizer_spec
 from raylora.data.formats import to_messages
-from raylora.data.packing import collate_packs
-from raylora.data.pipeline import encode_batch, gather_side, pack_batch, plan_sources
+from raylora.data.pipeline import gather_side, plan_sources
 from raylora.data.read import first_row, iter_blocks
+from raylora.data.transforms import encode_batch, pack_batch, worker_spec
 from raylora.models import attach_lora, load_model
 
 
@@ -39,7 +41,7 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
     torch.manual_seed(cfg.train.seed)
     plan = plan_sources(cfg.data)
     model, tokenizer = load_model(cfg.model)
-    packs, counts = load_packs(cfg, plan, out)
+    packs, counts = load_packs(cfg, plan, worker_spec(cfg.data, tokenizer_spec(tokenizer, cfg.data.template)), out)
     log(
         f"data: {counts['rows_kept']} rows in {len(packs)} packed sequences, {counts['rows_rejected']} rejected (see {out / 'rejects.jsonl'})"
     )
@@ -73,9 +75,8 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
     return summary
 
 
-def load_packs(cfg: JobConfig, plan: dict, out: Path) -> tuple[list[dict], dict]:
+def load_packs(cfg: JobConfig, plan: dict, spec: str, out: Path) -> tuple[list[dict], dict]:
     """Encode and pack every training row in this process; returns the train packs and the row counts."""
-    spec = json.dumps({"data": to_dict(cfg.data), "model": to_dict(cfg.model)})
     (out / "rejects").mkdir(exist_ok=True)
     (out / "counts").mkdir(exist_ok=True)
     encoded = []

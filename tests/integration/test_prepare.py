@@ -11,7 +11,7 @@ import pytest
 from raylora.config import load_config
 from raylora.data.encode import IGNORE_INDEX
 from raylora.data.pipeline import DataError, build_dataset, plan_sources, prepare
-from raylora.models import tiny_tokenizer
+from raylora.model_files import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -96,7 +96,9 @@ def test_prepare_mixes_formats_rejects_bad_rows_and_packs(tmp_path, mixed):
     assert sum("<|im_start|>user\nu3<|im_end|>" in t for t in texts) == 2
     assert sum(t == "document number 5<|im_end|>" for t in texts) == 1
     assert sum("<|im_start|>assistant\na7<|im_end|>" in t for t in texts) == 1
-    assert summary["packing_efficiency"] > 0.8
+    assert (
+        summary["packing_efficiency"] > 0.6
+    )  # packs fill within each file: four tiny files leave four part-full tails
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] and set(manifest["fingerprint"]["files"]) == set(plan_sources(cfg.data))
     assert manifest["fingerprint"]["template"]["name"] == "tokenizer"
@@ -137,6 +139,8 @@ def test_too_many_rejects_fail_after_writing_them(tmp_path, mixed):
     with pytest.raises(DataError, match=r"5 of 61 rows were rejected, more than data.max_reject_fraction=0.05"):
         prepare(config(tmp_path, mixed, "data.max_reject_fraction=0.05"), log=lambda s: None)
     assert len((tmp_path / "out" / "rejects.jsonl").read_text().splitlines()) == 5
+    with pytest.raises(DataError, match="5 of 61 rows were rejected"):  # a rerun reusing the shards fails too
+        prepare(config(tmp_path, mixed, "data.max_reject_fraction=0.05"), log=lambda s: None)
 
 
 def test_streaming_dataset_without_materialising(tmp_path, mixed):

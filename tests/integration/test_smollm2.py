@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from raylora import models
+from raylora import model_files
 from raylora.config import ModelArgs
-from raylora.models import SMOLLM2, cache_root, check_cache, load_model
+from raylora.model_files import SMOLLM2, cache_root, check_cache
+from raylora.models import load_model
 from raylora.train.quickstart import generate
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ def test_smollm2_is_converted_once_then_loaded_from_the_cache(monkeypatch):
     def no_conversion(path):
         raise AssertionError(f"the cache was not used: {path} was read again")
 
-    monkeypatch.setattr(models, "gguf_architecture", no_conversion)
+    monkeypatch.setattr(model_files, "gguf_architecture", no_conversion)
     cached, cached_tokenizer = load_model(args)
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -1,8 +1,8 @@
 import pytest
 
-from raylora.data.encode import IGNORE_INDEX, Encoded, Encoder
+from raylora.data.encode import IGNORE_INDEX, Encoded, Encoder, tokenizer_spec
 from raylora.data.formats import RowError
-from raylora.models import tiny_tokenizer
+from raylora.model_files import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +24,18 @@ CHAT = [
 
 
 def test_every_assistant_turn_is_learned_and_nothing_else(tok):
-    (e,) = Encoder(tok, "auto", 1024, "tail", False).encode_many([CHAT])
+    (e,) = Encoder(tokenizer_spec(tok, "auto"), 1024, "tail", False).encode_many([CHAT])
     assert tok.decode(e.input_ids) == tok.apply_chat_template(CHAT, tokenize=False)
     assert learned(tok, e) == "a1<|im_end|>\na2<|im_end|>\n"
 
 
 def test_train_on_prompt_learns_everything(tok):
-    (e,) = Encoder(tok, "auto", 1024, "tail", True).encode_many([CHAT])
+    (e,) = Encoder(tokenizer_spec(tok, "auto"), 1024, "tail", True).encode_many([CHAT])
     assert e.labels == e.input_ids
 
 
 def test_alpaca_fallback_template(tok):
-    (e,) = Encoder(tok, "alpaca", 1024, "tail", False).encode_many([CHAT[1:3]])
+    (e,) = Encoder(tokenizer_spec(tok, "alpaca"), 1024, "tail", False).encode_many([CHAT[1:3]])
     assert tok.decode(e.input_ids) == "### Instruction:\nq1\n\n### Response:\na1<|im_end|>\n\n"
     assert learned(tok, e) == "a1<|im_end|>\n\n"
 
@@ -43,28 +43,28 @@ def test_alpaca_fallback_template(tok):
 def test_tokenizer_without_template_falls_back_to_chatml(tok):
     bare = tiny_tokenizer()
     bare.chat_template = None
-    encoder = Encoder(bare, "auto", 1024, "tail", False)
+    encoder = Encoder(tokenizer_spec(bare, "auto"), 1024, "tail", False)
     assert encoder.template_name == "chatml"
     (e,) = encoder.encode_many([CHAT])
     assert learned(tok, e) == "a1<|im_end|>\na2<|im_end|>\n"
 
 
 def test_text_rows_learn_everything_and_end_with_eos(tok):
-    (e,) = Encoder(tok, "auto", 1024, "tail", False).encode_many([[{"role": "text", "content": "abc"}]])
+    (e,) = Encoder(tokenizer_spec(tok, "auto"), 1024, "tail", False).encode_many([[{"role": "text", "content": "abc"}]])
     assert tok.decode(e.input_ids) == "abc<|im_end|>" and e.labels == e.input_ids
 
 
 def test_truncation_policies(tok):
     long = [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "y" * 10}]
-    (cut,) = Encoder(tok, "auto", 72, "tail", False).encode_many([long])
+    (cut,) = Encoder(tokenizer_spec(tok, "auto"), 72, "tail", False).encode_many([long])
     assert len(cut.input_ids) == 72 and learned(tok, cut) == "y" * 3
-    (rejected,) = Encoder(tok, "auto", 72, "reject", False).encode_many([long])
+    (rejected,) = Encoder(tokenizer_spec(tok, "auto"), 72, "reject", False).encode_many([long])
     assert isinstance(rejected, RowError) and "81 tokens exceed data.cutoff_len=72" in str(rejected)
-    (gone,) = Encoder(tok, "auto", 20, "tail", False).encode_many([long])
+    (gone,) = Encoder(tokenizer_spec(tok, "auto"), 20, "tail", False).encode_many([long])
     assert isinstance(gone, RowError) and "no response token is left" in str(gone)
 
 
 def test_a_batch_keeps_rows_in_order(tok):
     rows = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(5)]
-    results = Encoder(tok, "auto", 1024, "tail", False).encode_many(rows)
+    results = Encoder(tokenizer_spec(tok, "auto"), 1024, "tail", False).encode_many(rows)
     assert [learned(tok, r) for r in results] == [f"a{i}<|im_end|>\n" for i in range(5)]

@@ -1,7 +1,8 @@
 import torch
 
+from raylora.data.collate import block_causal_mask, collate_packs
 from raylora.data.encode import IGNORE_INDEX
-from raylora.data.packing import block_causal_mask, collate_packs, join, pack_lengths
+from raylora.data.packing import join, pack_lengths
 from raylora.models import tiny_model
 
 
@@ -86,3 +87,56 @@ def test_position_ids_alone_do_not_isolate_examples():
         ).logits
         alone = model(input_ids=torch.tensor([b])).logits[0]
     assert not torch.allclose(leaky[0, 4:], alone, atol=1e-3)
+
+
+def test_vectorised_pack_batch_matches_the_reference_join():
+    import pyarrow as pa
+
+    from raylora.data.transforms import pack_batch
+
+    g = torch.Generator().manual_seed(3)
+    examples = [
+        torch.randint(0, 250, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (40,), generator=g)
+    ]
+    labels = [[IGNORE_INDEX] * (len(e) // 2) + e[len(e) // 2 :] for e in examples]
+    splits = ["eval" if i % 5 == 0 else "train" for i in range(len(examples))]
+    table = pa.table(
+        {
+            "input_ids": pa.array(examples, pa.list_(pa.int32())),
+            "labels": pa.array(labels, pa.list_(pa.int32())),
+            "split": splits,
+        }
+    )
+    for packing in (True, False):
+        packs = pack_batch(table, 64, packing).to_pylist()
+        assert sum(len(p["seq_lens"]) for p in packs) == len(examples)
+        for pack in packs:
+            members = []
+            start = 0
+            for n in pack["seq_lens"]:
+                i = next(
+                    i
+                    for i, e in enumerate(examples)
+                    if e == pack["input_ids"][start : start + n] and splits[i] == pack["split"]
+                )
+                members.append((examples[i], labels[i]))
+                start += n
+            assert {k: pack[k] for k in ("input_ids", "labels", "position_ids", "seq_lens")} == join(members)
+            assert pack["num_tokens"] == len(pack["input_ids"]) <= 64 or len(pack["seq_lens"]) == 1
+        if not packing:
+            assert all(len(p["seq_lens"]) == 1 for p in packs)
+
+
+def test_pack_batch_of_nothing_is_empty():
+    import pyarrow as pa
+
+    from raylora.data.transforms import pack_batch
+
+    empty = pa.table(
+        {
+            "input_ids": pa.array([], pa.list_(pa.int32())),
+            "labels": pa.array([], pa.list_(pa.int32())),
+            "split": pa.array([], pa.string()),
+        }
+    )
+    assert pack_batch(empty, 64, True).num_rows == 0

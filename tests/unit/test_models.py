@@ -6,7 +6,8 @@ import torch
 from peft import PeftModel
 
 from raylora.config import LoraArgs, ModelArgs
-from raylora.models import ModelError, attach_lora, load_model, target_modules, tiny_model, tiny_tokenizer
+from raylora.model_files import ModelError, tiny_tokenizer
+from raylora.models import attach_lora, load_model, target_modules, tiny_model
 
 
 def randomise_lora(model, seed=1):

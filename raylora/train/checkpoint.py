@@ -1,0 +1,114 @@
+"""Training checkpoints: adapter weights (peft format) plus optimizer, scheduler, step and data position.
+
+Layout of a checkpoint folder::
+
+    adapter/       peft save_pretrained output (loads with PeftModel.from_pretrained)
+    state.pt       optimizer, scheduler, grad scaler, step, data position, NaN-guard state
+    meta.json      base model and LoRA shape, to refuse a checkpoint of another model
+    history.json   logged metrics so far (for the loss plot)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raylora.config import JobConfig, to_dict
+
+LORA_SHAPE = ("rank", "alpha", "target_modules", "use_rslora", "use_dora")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that does not fit this job; the message says why and what to do."""
+
+
+@dataclass
+class TrainState:
+    """Where a run is. ``rows_in_epoch`` counts rows consumed by all workers together, so a run
+    resumed on a different number of workers skips the same data."""
+
+    step: int = 0
+    epoch: int = 0
+    rows_in_epoch: int = 0
+    lr_scale: float = 1.0
+    rollbacks: int = 0
+    skipped_steps: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def save(folder: Path, model, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig) -> None:
+    """Write a checkpoint of ``model`` (a peft model, unwrapped from DDP) into ``folder``."""
+    model.save_pretrained(folder / "adapter")
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "state": asdict(state),
+        },
+        folder / "state.pt",
+    )
+    meta = {"model": cfg.model.name_or_path, "lora": {k: to_dict(cfg.lora)[k] for k in LORA_SHAPE}, "step": state.step}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+    (folder / "history.json").write_text(json.dumps(state.history))
+
+
+def check_compatible(folder: Path, cfg: JobConfig) -> None:
+    """Raise :class:`CheckpointError` unless the checkpoint was written for this base model and LoRA shape."""
+    meta = json.loads((folder / "meta.json").read_text())
+    ours = {"model": cfg.model.name_or_path, "lora": {k: to_dict(cfg.lora)[k] for k in LORA_SHAPE}}
+    diffs = [f"model {meta['model']!r} (this job: {ours['model']!r})"] if meta["model"] != ours["model"] else []
+    diffs += [
+        f"lora.{k} {meta['lora'][k]!r} (this job: {ours['lora'][k]!r})"
+        for k in LORA_SHAPE
+        if meta["lora"][k] != ours["lora"][k]
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"the checkpoint in {folder} was written for {', '.join(diffs)}, so it cannot resume this job. "
+            "Use a new train.output_dir for a new model or LoRA shape, or restore the settings it was trained with."
+        )
+
+
+def load(folder: Path, model, optimizer, scheduler, scaler) -> TrainState:
+    """Restore a checkpoint into live objects; returns its :class:`TrainState`."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+    set_peft_model_state_dict(model, weights)
+    saved = torch.load(folder / "state.pt", weights_only=False)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    scaler.load_state_dict(saved["scaler"])
+    return TrainState(**saved["state"])
+
+
+def snapshot(model, optimizer, scheduler, scaler, state: TrainState) -> dict[str, Any]:
+    """An in-memory copy of everything a rollback restores (the last good checkpoint's content)."""
+    from peft import get_peft_model_state_dict
+
+    return copy.deepcopy(
+        {
+            "adapter": get_peft_model_state_dict(model),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "state": asdict(state),
+        }
+    )
+
+
+def restore(saved: dict[str, Any], model, optimizer, scheduler, scaler) -> TrainState:
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(model, saved["adapter"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    scaler.load_state_dict(saved["scaler"])
+    return TrainState(**copy.deepcopy(saved["state"]))

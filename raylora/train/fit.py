@@ -1,0 +1,142 @@
+"""``fit(cfg)``: the driver side of a training job, top to bottom.
+
+check the job → prepare the data → open the MLflow run → build and run the TorchTrainer →
+copy out the adapter, write the loss plot and the resolved config → close the MLflow run.
+Rerunning a job with the same ``train.output_dir`` resumes from its newest checkpoint, with any
+number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raylora.backends import worker_plan
+from raylora.cluster import ensure_ray
+from raylora.config import JobConfig, to_dict
+from raylora.data.pipeline import DataError, prepare
+from raylora.tracking import finish_run, start_run, tracking_uri
+from raylora.train.loop import train_worker
+from raylora.train.plot import plot_history
+
+
+class TrainingError(RuntimeError):
+    """The run failed; the message names the likely causes and fixes, not Ray's internals."""
+
+
+def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
+    """Run a LoRA fine-tune on ``cfg.train.num_workers`` Ray Train workers.
+
+    Returns:
+        ``{"adapter", "steps", "loss", "eval_loss", "run_id", "history"}``.
+    Raises:
+        DataError, TrackingError, BackendError: before any worker starts.
+        TrainingError: the run failed or diverged.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    out = Path(cfg.train.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
+    data = prepare(cfg, log=log)
+    splits = data["splits"]
+    needed = cfg.train.num_workers * cfg.train.batch_size
+    if splits["train"]["packs"] < needed:
+        raise DataError(
+            f"the training data has {splits['train']['packs']} sequences, fewer than one micro-batch per worker "
+            f"(train.num_workers={cfg.train.num_workers} x train.batch_size={cfg.train.batch_size} = {needed}). "
+            "Add data, lower data.cutoff_len or turn off data.packing, or use fewer workers or a smaller batch."
+        )
+    run_id = start_run(cfg.tracking, out.name, _flatten(to_dict(cfg)))
+    ensure_ray()
+    import ray.data
+
+    datasets = {"train": ray.data.read_parquet(splits["train"]["shards"])}
+    if splits["eval"]["packs"]:
+        datasets["eval"] = ray.data.read_parquet(splits["eval"]["shards"])
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={
+            "cfg": {**to_dict(cfg), "train": {**to_dict(cfg.train), "output_dir": str(out)}},
+            "tracking_uri": tracking_uri(cfg.tracking) if run_id else None,
+            "run_id": run_id,
+            "has_eval": "eval" in datasets,
+        },
+        torch_config=TorchConfig(backend=dist_backend),
+        scaling_config=ScalingConfig(**scaling),
+        run_config=RunConfig(
+            name="ray",
+            storage_path=str(out),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            worker_runtime_env={"env_vars": env} if env else None,
+        ),
+        datasets=datasets,
+    )
+    try:
+        result = trainer.fit()
+    except Exception as e:
+        finish_run(cfg.tracking, run_id, [], "FAILED")
+        raise TrainingError(_explain(e, out)) from None
+    outcome = result.return_value or {}
+    if outcome.get("status") != "done" or result.checkpoint is None:
+        finish_run(cfg.tracking, run_id, [], "FAILED")
+        raise TrainingError(
+            f"training diverged: non-finite loss or gradients for train.nan_tolerance={cfg.train.nan_tolerance} steps "
+            "in a row, again after rolling back to the last good checkpoint with half the learning rate. Likely causes: "
+            f"a learning rate too high (train.lr={cfg.train.lr}), Adam's epsilon too small under fp16 "
+            f"(train.adam_eps={cfg.train.adam_eps}), or a LoRA rank/alpha that scales updates too far "
+            f"(lora.rank={cfg.lora.rank}, lora.alpha={cfg.lora.alpha})."
+        )
+    with result.checkpoint.as_directory() as folder:
+        shutil.rmtree(out / "adapter", ignore_errors=True)
+        shutil.copytree(Path(folder) / "adapter", out / "adapter")
+        history = json.loads((Path(folder) / "history.json").read_text())
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))
+    (out / "history.json").write_text(json.dumps(history, indent=1))
+    plot_history(history, out / "loss.png")
+    finish_run(
+        cfg.tracking, run_id, [out / "adapter", out / "config.yaml", out / "loss.png", out / "history.json"], "FINISHED"
+    )
+    log(
+        f"adapter saved to {out / 'adapter'}; loss plot {out / 'loss.png'}"
+        + (f"; MLflow run {run_id}" if run_id else "")
+    )
+    return {
+        "adapter": str(out / "adapter"),
+        "steps": outcome["step"],
+        "loss": history[-1]["loss"],
+        "eval_loss": history[-1].get("eval_loss"),
+        "resumed_from": outcome["resumed_from"],
+        "skipped_steps": outcome["skipped_steps"],
+        "run_id": run_id,
+        "history": history,
+    }
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and prefix == "":
+            flat.update(_flatten(value, f"{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _explain(error: Exception, out: Path) -> str:
+    """One paragraph for a failed run: the root cause's own message, and where the logs are."""
+    root = error
+    while root.__cause__ is not None or getattr(root, "cause", None) is not None:
+        root = root.__cause__ or root.cause
+    message = str(root).strip().splitlines()
+    text = next((line for line in reversed(message) if line.strip()), repr(root))
+    hint = ""
+    if "out of memory" in text.lower() or isinstance(root, MemoryError):
+        hint = " A batch does not fit: lower train.batch_size or data.cutoff_len, or raise train.grad_accum."
+    return f"training failed: {type(root).__name__}: {text}.{hint} Worker logs: Ray's session logs; checkpoints: {out / 'ray'}"

@@ -1,0 +1,295 @@
+"""The Ray Train worker loop, top to bottom: setup → resume → steps (accumulate, clip, guard) → eval → checkpoint.
+
+Every worker runs :func:`train_worker`. Rank 0 alone logs to MLflow, prints progress and writes
+checkpoints; every rank calls ``ray.train.report`` at the same steps, as Ray Train requires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import ray.train
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from raylora.backends import Backend, resolve_backend
+from raylora.config import TrainArgs, from_dict
+from raylora.data.collate import collate_packs
+from raylora.models import attach_lora, load_model
+from raylora.tracking import metric_logger
+from raylora.train import checkpoint as ckpt
+from raylora.train.checkpoint import TrainState
+
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "mlp")
+
+
+def train_worker(config: dict) -> dict:
+    """One Ray Train worker. ``config``: ``cfg`` (the job as a dict), ``tracking_uri``, ``run_id``, ``has_eval``.
+
+    Returns (rank 0's reaches the driver as ``result.return_value``): ``status`` (``done`` or
+    ``diverged``), ``step``, ``resumed_from`` and ``skipped_steps``.
+    """
+    cfg = from_dict(config["cfg"])
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    backend = resolve_backend(cfg.backend)
+    device = backend.torch_device(context.get_local_rank())
+    record_worker(Path(cfg.train.output_dir), rank, device)
+    torch.manual_seed(cfg.train.seed)
+
+    model, tokenizer = load_model(cfg.model)
+    model = attach_lora(model, cfg.lora).to(device).train()
+    optimizer = build_optimizer(model, cfg.train, backend)
+    lr_scale = [1.0]
+    scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
+    scaler = torch.amp.GradScaler(backend.name, enabled=backend.needs_grad_scaler)
+    state = TrainState()
+    restored = ray.train.get_checkpoint()
+    if restored:
+        with restored.as_directory() as folder:
+            ckpt.check_compatible(Path(folder), cfg)
+            state = ckpt.load(Path(folder), model, optimizer, scheduler, scaler)
+        lr_scale[0] = state.lr_scale
+    resumed_from = state.step
+    ddp = (
+        DistributedDataParallel(model, device_ids=None if backend.name == "cpu" else [device.index])
+        if world > 1
+        else model
+    )
+    last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
+    log_metrics = metric_logger(config["tracking_uri"], config["run_id"], rank)
+    eval_shard = ray.train.get_dataset_shard("eval") if config["has_eval"] else None
+    batches = micro_batches(ray.train.get_dataset_shard("train"), cfg.train.batch_size, state, world)
+    mask_dtype = backend.amp_dtype or model.dtype
+    train = cfg.train
+    if rank == 0 and resumed_from:
+        print(f"resumed from step {resumed_from} (epoch {state.epoch}, {state.rows_in_epoch} rows into it)", flush=True)
+
+    bad_in_row = 0
+    tokens_seen, started = 0, time.perf_counter()
+    while state.step < train.max_steps:
+        loss, tokens, grad_norm, position = train_step(
+            ddp,
+            batches,
+            optimizer,
+            scheduler,
+            scaler,
+            tokenizer.pad_token_id,
+            mask_dtype,
+            device,
+            train,
+            backend,
+            world,
+        )
+        state.epoch, state.rows_in_epoch = position
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            state.skipped_steps += 1
+            bad_in_row += 1
+            if bad_in_row < train.nan_tolerance:
+                continue
+            if state.rollbacks >= 1:
+                return outcome("diverged", state, resumed_from)
+            skipped = state.skipped_steps
+            state = ckpt.restore(last_good, model, optimizer, scheduler, scaler)
+            state.rollbacks, state.skipped_steps, state.lr_scale = 1, skipped, state.lr_scale * 0.5
+            lr_scale[0] = state.lr_scale
+            bad_in_row = 0
+            if rank == 0:
+                print(
+                    f"{train.nan_tolerance} non-finite steps in a row: rolled back to step {state.step}, lr x{state.lr_scale}",
+                    flush=True,
+                )
+            continue
+        bad_in_row = 0
+        state.step += 1
+        tokens_seen += tokens
+        final = state.step == train.max_steps
+        evaluate_now = final or (train.eval_every and state.step % train.eval_every == 0)
+        save_now = final or (train.checkpoint_every and state.step % train.checkpoint_every == 0)
+        if not (final or evaluate_now or save_now or state.step % train.log_every == 0):
+            continue
+        elapsed = time.perf_counter() - started
+        metrics = {
+            "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+            "tokens_per_s": tokens_seen / elapsed, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
+        }  # fmt: skip
+        if evaluate_now and eval_shard is not None:
+            metrics.update(
+                evaluate(model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
+            )
+        if final and not adapter_is_finite(model):
+            return outcome("diverged", state, resumed_from)
+        state.history.append({"step": state.step, **metrics})
+        if rank == 0:
+            eta = elapsed / (state.step - resumed_from) * (train.max_steps - state.step)
+            extra = f"  eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
+            print(
+                f"step {state.step}/{train.max_steps}  loss {loss:.4f}  lr {metrics['lr']:.2e}  tokens/s {metrics['tokens_per_s']:.0f}  ETA {eta:.0f}s{extra}",
+                flush=True,
+            )
+            if log_metrics:
+                log_metrics(metrics, state.step)
+        report = {**metrics, "step": state.step, "resumed_from": resumed_from, "done": int(final)}
+        if save_now:
+            state.lr_scale = lr_scale[0]
+            last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
+        with checkpoint_dir(save_now and rank == 0) as folder:
+            if folder is not None:
+                ckpt.save(folder, model, optimizer, scheduler, scaler, state, cfg)
+                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder))
+            else:
+                ray.train.report(report)
+    return outcome("done", state, resumed_from)
+
+
+def outcome(status: str, state: TrainState, resumed_from: int) -> dict:
+    return {"status": status, "step": state.step, "resumed_from": resumed_from, "skipped_steps": state.skipped_steps}
+
+
+def record_worker(output_dir: Path, rank: int, device: torch.device) -> None:
+    """``<output_dir>/workers/rank<N>.json``: host, pid and device of each worker, for operators."""
+    folder = output_dir / "workers"
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device)}
+    (folder / f"rank{rank}.json").write_text(json.dumps(info))
+
+
+def build_optimizer(model, train: TrainArgs, backend: Backend) -> torch.optim.Optimizer:
+    """AdamW over the LoRA weights in two groups: attention (lr) and MLP (lr x lr_mlp_scale)."""
+    groups: dict[str, list] = {"attention": [], "mlp": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups["mlp" if any(f".{m}." in name for m in MLP_MODULES) else "attention"].append(p)
+    eps = max(train.adam_eps, 1e-6) if backend.needs_grad_scaler else train.adam_eps
+    params = [
+        {"params": groups["attention"], "lr": train.lr, "name": "attention"},
+        {"params": groups["mlp"], "lr": train.lr * train.lr_mlp_scale, "name": "mlp"},
+    ]
+    return torch.optim.AdamW([g for g in params if g["params"]], weight_decay=train.weight_decay, eps=eps)
+
+
+def build_scheduler(optimizer, train: TrainArgs, lr_scale: list[float]) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then cosine, linear or constant decay to 0 at ``max_steps``; times ``lr_scale[0]`` (NaN rollbacks halve it)."""
+
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return lr_scale[0] * (step + 1) / train.warmup_steps
+        progress = (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps)
+        decay = {"cosine": 0.5 * (1 + math.cos(math.pi * progress)), "linear": 1 - progress, "constant": 1.0}[
+            train.scheduler
+        ]
+        return lr_scale[0] * decay
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def micro_batches(
+    shard, batch_size: int, state: TrainState, world: int
+) -> Iterator[tuple[list[dict], tuple[int, int]]]:
+    """Micro-batches of pack rows, epoch after epoch, starting at the position in ``state``.
+
+    Yields ``(rows, (epoch, rows consumed in the epoch by all workers))``. A resumed run skips
+    ``state.rows_in_epoch`` rows of the epoch in total, whatever the number of workers that wrote it.
+    """
+    epoch, skip = state.epoch, state.rows_in_epoch // (batch_size * world)
+    while True:
+        index = 0
+        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", drop_last=True):
+            index += 1
+            if skip:
+                skip -= 1
+                continue
+            yield batch.to_pylist(), (epoch, index * batch_size * world)
+        if index == 0:
+            raise RuntimeError(f"this worker's data shard holds fewer than train.batch_size={batch_size} sequences")
+        epoch += 1
+
+
+def train_step(
+    ddp,
+    batches,
+    optimizer,
+    scheduler,
+    scaler,
+    pad_id,
+    mask_dtype,
+    device,
+    train: TrainArgs,
+    backend: Backend,
+    world: int,
+):
+    """One optimizer step over ``grad_accum`` micro-batches.
+
+    All but the last micro-batch run under ``no_sync()``; the last one's backward all-reduces the
+    accumulated gradients, overlapped with its own computation through DDP's buckets. The step is
+    taken only if the loss (averaged over workers) and the gradient norm are finite.
+    Returns:
+        ``(mean loss over workers, real tokens over workers, gradient norm, data position)``.
+    """
+    local_losses, tokens = [], 0
+    for k in range(train.grad_accum):
+        rows, position = next(batches)
+        batch = {key: v.to(device) for key, v in collate_packs(rows, pad_id, mask_dtype).items()}
+        sync = k == train.grad_accum - 1 or world == 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
+                loss = ddp(**batch).loss
+            scaler.scale(loss / train.grad_accum).backward()
+        local_losses.append(loss.detach().float())
+        tokens += sum(r["num_tokens"] for r in rows)
+    scaler.unscale_(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm if train.max_grad_norm > 0 else float("inf"))
+    stats = torch.stack([torch.stack(local_losses).mean(), torch.tensor(float(tokens))]).to(grad_norm.device)
+    if world > 1:
+        dist.all_reduce(stats)
+    loss_value, grad_value = stats[0].item() / world, grad_norm.item()
+    if math.isfinite(loss_value) and math.isfinite(grad_value):
+        scaler.step(optimizer)
+        scheduler.step()
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, int(stats[1].item()), grad_value, position
+
+
+@torch.no_grad()
+def evaluate(model, shard, batch_size: int, pad_id: int, mask_dtype, backend: Backend, world: int) -> dict[str, float]:
+    """Token-weighted eval loss and perplexity over every worker's eval shard."""
+    model.eval()
+    device = next(model.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
+        tensors = {k: v.to(device) for k, v in collate_packs(batch.to_pylist(), pad_id, mask_dtype).items()}
+        with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
+            loss = model(**tensors).loss
+        targets = (tensors["labels"][:, 1:] != -100).sum()
+        total += torch.stack([loss.double() * targets, targets.double()])
+    if world > 1:
+        dist.all_reduce(total)
+    model.train()
+    if total[1] == 0:
+        return {}
+    eval_loss = (total[0] / total[1]).item()
+    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))}
+
+
+def adapter_is_finite(model) -> bool:
+    return all(torch.isfinite(p).all() for n, p in model.named_parameters() if p.requires_grad)
+
+
+@contextlib.contextmanager
+def checkpoint_dir(wanted: bool) -> Iterator[Path | None]:
+    if not wanted:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="raylora-ckpt-") as folder:
+        yield Path(folder)

@@ -1,0 +1,125 @@
+"""Ray Train with two gloo workers on a local Ray (tiny Llama, the bundled identity data)."""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from peft import PeftModel
+
+from raylora.config import load_config
+from raylora.models import tiny_model
+from raylora.train.fit import TrainingError, fit
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def job(tmp_path, *overrides):
+    return load_config(
+        "configs/tiny_lora_cpu.yaml",
+        [
+            f"train.output_dir={tmp_path}/run", f"data.output_dir={tmp_path}/data", "data.eval_fraction=0.2",
+            "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=tests",
+            "train.num_workers=2", "train.batch_size=2", "train.log_every=2", "train.lr=3e-2", *overrides,
+        ],
+    )  # fmt: skip
+
+
+def checkpoints(out: Path) -> list[Path]:
+    return [p for p in (out / "ray").glob("checkpoint_*") if p.is_dir()] if (out / "ray").exists() else []
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    cfg = job(tmp, "train.max_steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=2", "train.grad_accum=2")
+    return tmp, cfg, fit(cfg, log=lambda s: None)
+
+
+def test_two_workers_learn_and_write_adapter_plot_and_config(trained):
+    tmp, cfg, result = trained
+    out = tmp / "run"
+    assert result["steps"] == 12 and result["resumed_from"] == 0
+    losses = [h["loss"] for h in result["history"]]
+    assert losses[-1] < 0.92 * losses[0]
+    assert result["eval_loss"] is not None and result["history"][-1]["eval_perplexity"] > 1
+    adapter = PeftModel.from_pretrained(tiny_model("llama"), out / "adapter")
+    assert any(p.abs().sum() > 0 for n, p in adapter.named_parameters() if "lora_B" in n)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "max_steps: 12" in (out / "config.yaml").read_text()
+    workers = sorted(json.loads(p.read_text())["rank"] for p in (out / "workers").glob("rank*.json"))
+    assert workers == [0, 1]
+    assert len(checkpoints(out)) == 2  # keep_checkpoints
+
+
+def test_mlflow_run_has_params_metrics_and_artifacts(trained):
+    tmp, cfg, result = trained
+    client = mlflow.MlflowClient(f"sqlite:///{tmp}/mlflow.db")
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.max_steps"] == "12" and run.data.params["lora.rank"] == "8"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert steps == [2, 4, 6, 8, 10, 12]
+    assert {"tokens_per_s", "lr", "grad_norm", "eval_loss", "peak_memory_mb"} <= set(run.data.metrics)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"adapter", "config.yaml", "loss.png", "history.json"} <= artifacts
+    assert "adapter/adapter_model.safetensors" in {a.path for a in client.list_artifacts(run.info.run_id, "adapter")}
+
+
+def test_rerun_resumes_from_its_checkpoint_with_one_worker(trained):
+    tmp, cfg, _ = trained
+    more = job(tmp, "train.max_steps=16", "train.checkpoint_every=4", "train.grad_accum=2", "train.num_workers=1")
+    result = fit(more, log=lambda s: None)
+    assert result["resumed_from"] == 12 and result["steps"] == 16
+    assert [h["step"] for h in result["history"]][-2:] == [14, 16]
+
+
+def test_checkpoint_of_another_lora_shape_is_refused(trained):
+    tmp, cfg, _ = trained
+    with pytest.raises(TrainingError, match=r"written for lora.rank 8 \(this job: 4\)"):
+        fit(job(tmp, "train.max_steps=20", "lora.rank=4", "train.max_failures=0"), log=lambda s: None)
+
+
+def test_a_killed_worker_is_replaced_and_the_run_resumes(tmp_path):
+    cfg = job(tmp_path, "train.max_steps=60", "train.checkpoint_every=5", "train.max_failures=1", "train.log_every=5")
+    out = tmp_path / "run"
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=fit(cfg, log=lambda s: None)))
+    thread.start()
+    deadline = time.time() + 240
+    while len(checkpoints(out)) < 2 and time.time() < deadline:  # the first is surely registered by now
+        time.sleep(0.2)
+    victim = json.loads((out / "workers" / "rank1.json").read_text())["pid"]
+    os.kill(victim, signal.SIGKILL)
+    thread.join(timeout=300)
+    result = box["result"]
+    assert result["steps"] == 60
+    assert result["resumed_from"] > 0
+    assert json.loads((out / "workers" / "rank1.json").read_text())["pid"] != victim
+
+
+def test_divergence_rolls_back_once_then_fails_with_the_causes(tmp_path):
+    cfg = job(tmp_path, "train.max_steps=40", "train.lr=1.0", "lora.alpha=4096", "train.max_grad_norm=0", "backend.precision=fp16",
+              "train.nan_tolerance=2", "train.num_workers=1")  # fmt: skip
+    with pytest.raises(TrainingError) as err:
+        fit(cfg, log=lambda s: None)
+    assert "training diverged" in str(err.value) and "train.lr=1.0" in str(err.value)
+    runs = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_runs(
+        [mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_experiment_by_name("tests").experiment_id]
+    )
+    assert runs[0].info.status == "FAILED"
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
+def test_dataset_too_small_for_one_batch_per_worker_is_refused_before_training(tmp_path):
+    from raylora.data.pipeline import DataError
+
+    with pytest.raises(
+        DataError, match=r"fewer than one micro-batch per worker \(train.num_workers=2 x train.batch_size=64"
+    ):
+        fit(job(tmp_path, "train.batch_size=64"), log=lambda s: None)
+    assert not (tmp_path / "run" / "ray").exists()
