@@ -23,6 +23,9 @@ from raylora.tracking import finish_run, start_run, tracking_uri
 from raylora.train.loop import train_worker
 from raylora.train.plot import plot_history
 
+# Ray Data's read tasks each ask for a whole CPU: the workers must leave one free or training waits forever.
+READ_CPUS = 1.0
+
 
 class TrainingError(RuntimeError):
     """The run failed; the message names the likely causes and fixes, not Ray's internals."""
@@ -52,9 +55,18 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
             f"(train.num_workers={cfg.train.num_workers} x train.batch_size={cfg.train.batch_size} = {needed}). "
             "Add data, lower data.cutoff_len or turn off data.packing, or use fewer workers or a smaller batch."
         )
-    run_id = start_run(cfg.tracking, out.name, _flatten(to_dict(cfg)))
     ensure_ray()
+    import ray
     import ray.data
+
+    spare = ray.cluster_resources().get("CPU", 0) - cfg.train.num_workers * cfg.train.cpus_per_worker
+    if spare < READ_CPUS:
+        raise DataError(
+            f"the workers would take {cfg.train.num_workers * cfg.train.cpus_per_worker:g} of the cluster's "
+            f"{ray.cluster_resources().get('CPU', 0):g} CPUs, leaving less than {READ_CPUS:g} for Ray Data to read the data, "
+            "so training would wait forever. Lower train.cpus_per_worker or train.num_workers."
+        )
+    run_id = start_run(cfg.tracking, out.name, _flatten(to_dict(cfg)))
 
     datasets = {"train": ray.data.read_parquet(splits["train"]["shards"])}
     if splits["eval"]["packs"]:

@@ -44,6 +44,9 @@ def train_worker(config: dict) -> dict:
     backend = resolve_backend(cfg.backend)
     device = backend.torch_device(context.get_local_rank())
     record_worker(Path(cfg.train.output_dir), rank, device)
+    torch.set_num_threads(
+        max(1, math.ceil(cfg.train.cpus_per_worker))
+    )  # Ray sets one thread per whole CPU, rounding down
     torch.manual_seed(cfg.train.seed)
 
     model, tokenizer = load_model(cfg.model)
@@ -156,10 +159,11 @@ def outcome(status: str, state: TrainState, resumed_from: int) -> dict:
 
 
 def record_worker(output_dir: Path, rank: int, device: torch.device) -> None:
-    """``<output_dir>/workers/rank<N>.json``: host, pid and device of each worker, for operators."""
+    """``<output_dir>/workers/rank<N>.json``: host, Ray node, pid and device of each worker, for operators."""
     folder = output_dir / "workers"
     folder.mkdir(parents=True, exist_ok=True)
-    info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device)}
+    node = ray.get_runtime_context().get_node_id()
+    info = {"rank": rank, "host": socket.gethostname(), "node": node, "pid": os.getpid(), "device": str(device)}
     (folder / f"rank{rank}.json").write_text(json.dumps(info))
 
 

@@ -33,6 +33,14 @@ def checkpoints(out: Path) -> list[Path]:
     return [p for p in (out / "ray").glob("checkpoint_*") if p.is_dir()] if (out / "ray").exists() else []
 
 
+def registered_checkpoints(out: Path) -> list:
+    """Checkpoints Ray Train has registered (a checkpoint folder appears before its report is processed)."""
+    try:
+        return json.loads((out / "ray" / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return []
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
@@ -91,7 +99,7 @@ def test_a_killed_worker_is_replaced_and_the_run_resumes(tmp_path):
     thread = threading.Thread(target=lambda: box.update(result=fit(cfg, log=lambda s: None)))
     thread.start()
     deadline = time.time() + 240
-    while len(checkpoints(out)) < 2 and time.time() < deadline:  # the first is surely registered by now
+    while not registered_checkpoints(out) and time.time() < deadline:
         time.sleep(0.2)
     victim = json.loads((out / "workers" / "rank1.json").read_text())["pid"]
     os.kill(victim, signal.SIGKILL)
@@ -123,3 +131,10 @@ def test_dataset_too_small_for_one_batch_per_worker_is_refused_before_training(t
     ):
         fit(job(tmp_path, "train.batch_size=64"), log=lambda s: None)
     assert not (tmp_path / "run" / "ray").exists()
+
+
+def test_workers_that_leave_no_cpu_for_ray_data_are_refused(tmp_path):
+    from raylora.data.pipeline import DataError
+
+    with pytest.raises(DataError, match="leaving less than 1 for Ray Data"):
+        fit(job(tmp_path, "train.cpus_per_worker=1"), log=lambda s: None)
