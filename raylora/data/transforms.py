@@ -165,10 +165,8 @@ def write_shard(batch: pa.Table, folder: str) -> pa.Table:
     the batch's content, so a retried task overwrites its own files.
     """
     counts: dict[str, list] = {"split": [], "packs": [], "examples": [], "tokens": []}
-    if batch.num_rows == 0:
-        return pa.table({k: pa.array(v, pa.string() if k == "split" else pa.int64()) for k, v in counts.items()})
-    key = f"{unit_hash(batch.column('input_ids')[0].as_py()[:64], batch.num_rows):.16f}"[2:]
-    for split in ("train", "eval"):
+    key = f"{unit_hash(batch.column('input_ids')[0].as_py()[:64], batch.num_rows):.16f}"[2:] if batch.num_rows else ""
+    for split in ("train", "eval") if batch.num_rows else ():
         part = batch.filter(pc.equal(batch["split"], split)).drop_columns(["split"])
         if part.num_rows == 0:
             continue

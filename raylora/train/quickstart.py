@@ -24,6 +24,7 @@ from raylora.data.pipeline import gather_side, plan_sources
 from raylora.data.read import first_row, iter_blocks
 from raylora.data.transforms import encode_batch, pack_batch, worker_spec
 from raylora.models import attach_lora, load_model
+from raylora.train.optim import build_optimizer, build_scheduler
 
 
 def run_quickstart(cfg: JobConfig, log=print) -> dict:
@@ -91,11 +92,13 @@ def load_packs(cfg: JobConfig, plan: dict, spec: str, out: Path) -> tuple[list[d
 def train_steps(
     model, packs: list[dict], pad_id: int, cfg: JobConfig, backend: Backend, log
 ) -> tuple[list[float], int, float]:
-    """AdamW steps over shuffled micro-batches of packs; returns per-step losses, real tokens seen and seconds."""
+    """AdamW steps (the training job's optimizer and schedule) over shuffled micro-batches of packs.
+
+    Returns per-step losses, real tokens seen and seconds."""
     train = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
-    eps = 1e-6 if backend.needs_grad_scaler else 1e-8
-    optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay, eps=eps)
+    optimizer = build_optimizer(model, train, backend)
+    scheduler = build_scheduler(optimizer, train, [1.0])
     scaler = torch.amp.GradScaler(backend.name, enabled=backend.needs_grad_scaler)
     order = random.Random(train.seed)
     pool: list[dict] = []
@@ -116,6 +119,7 @@ def train_steps(
             torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
         scaler.step(optimizer)
         scaler.update()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         tokens += sum(r["num_tokens"] for r in rows)
