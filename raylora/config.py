@@ -137,11 +137,32 @@ class TuneArgs:
 
 @dataclass
 class ServeArgs:
+    engine: str = _f(
+        "hf",
+        help="hf: transformers + peft (every device); vllm: Ray Serve LLM on vLLM (CUDA) or vllm-ascend (NPU)",
+        choices=("hf", "vllm"),
+    )
     host: str = _f("127.0.0.1", help="address the HTTP server binds to", nonempty=True)
     port: int = _f(8000, help="HTTP port", min=1, max=65535)
-    adapter_root: str = _f("outputs/adapters", help="folder of servable adapters")
+    replicas: int = _f(1, help="model replicas (each holds the base model and its own adapter LRU)", min=1)
+    cpus_per_replica: float = _f(1.0, help="CPUs Ray reserves for each model replica", gt=0)
+    adapter_root: str = _f("outputs/adapters", help="folder of servable adapters, one sub-folder per adapter name")
     max_adapters: int = _f(8, help="adapters kept loaded per replica (LRU)", min=1)
+    max_lora_rank: int = _f(64, help="largest adapter rank accepted", min=1)
+    adapter_bits: int = _f(
+        16, help="adapter weights in memory: 16 (as saved) or 4 (int4, groups of adapter_group_size)", choices=(16, 4)
+    )
+    adapter_group_size: int = _f(128, help="weights sharing one scale when adapter_bits is 4", min=8)
     quantization: str = _f("none", help="base model quantisation", choices=("none", "w8a8", "w8a8-smoothquant"))
+    smoothquant_alpha: float = _f(0.5, help="SmoothQuant migration strength (0: none to weights, 1: all)", min=0, max=1)
+    calibration_rows: int = _f(32, help="rows of data.sources used to calibrate SmoothQuant", min=1)
+    max_batch_size: int = _f(16, help="sequences decoded together per replica", min=1)
+    batch_wait_ms: float = _f(5.0, help="how long a new batch waits for more requests to arrive", min=0)
+    max_tokens: int = _f(256, help="generated tokens when a request gives no max_tokens", min=1)
+    api_key: str | None = _f(None, help="bearer key every request needs (None: env RAYLORA_API_KEY, else open)")
+    admin_key: str | None = _f(
+        None, help="bearer key for POST /v1/adapters (None: env RAYLORA_ADMIN_KEY, else registration is off)"
+    )
 
 
 @dataclass
@@ -339,8 +360,8 @@ def _check_rules(value: Any, rules: Any, path: str, problems: list[tuple[str, st
     if rules.get("nonempty") and not value:
         problems.append((path, f"must not be empty ({rules['help']})"))
     if "choices" in rules and value not in rules["choices"]:
-        allowed = ", ".join(rules["choices"])
-        near = difflib.get_close_matches(str(value), rules["choices"], n=1)
+        allowed = ", ".join(map(str, rules["choices"]))
+        near = difflib.get_close_matches(str(value), list(map(str, rules["choices"])), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         problems.append((path, f"got {value!r}, allowed: {allowed}{hint}"))
     bounds = [("min", lambda v, b: v >= b, "≥"), ("max", lambda v, b: v <= b, "≤"),
@@ -391,7 +412,7 @@ def reference_markdown() -> str:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             signs = (("min", "≥"), ("gt", ">"), ("max", "≤"), ("lt", "<"))
-            allowed = ", ".join(rules["choices"]) if "choices" in rules else ""
+            allowed = ", ".join(map(str, rules["choices"])) if "choices" in rules else ""
             allowed = allowed or " and ".join(f"{sign} {rules[k]}" for k, sign in signs if k in rules)
             name = str(tp).replace("typing.", "").replace("raylora.config.", "").replace("<class '", "")
             name = name.replace("'>", "").replace("|", "\\|")
