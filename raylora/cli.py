@@ -19,7 +19,6 @@ COMMANDS = {
 NOT_YET = {
     "tune": "the Ray Tune sweep issue, after issue #4",
     "export": "issue #5 (quantised serving and export)",
-    "serve": "issue #5 (Ray Serve)",
 }
 
 
@@ -32,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help, description=help)
         cmd.add_argument("config", nargs="?" if name == "doctor" else None, help="job YAML file (see configs/)")
         cmd.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a config value")
+        if name == "serve":
+            cmd.add_argument("--detach", action="store_true", help="deploy and return; the app keeps serving in Ray")
     return p
 
 
@@ -66,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
             from raylora.data.pipeline import prepare
 
             prepare(cfg)
+        elif args.command == "serve":
+            from raylora.serve.launch import serve_forever, start
+
+            if args.detach:
+                print(f"raylora serve: {start(cfg)}/v1 is ready (OpenAI API)")
+            else:
+                serve_forever(cfg)
         elif args.command == "train":
             from raylora.train.fit import fit
 

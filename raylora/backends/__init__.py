@@ -11,7 +11,7 @@ from raylora.backends import cpu, cuda, npu
 from raylora.backends.base import Backend, BackendError
 from raylora.config import BackendArgs
 
-__all__ = ["Backend", "BackendError", "resolve_backend", "worker_plan", "PROBE_ORDER"]
+__all__ = ["Backend", "BackendError", "resolve_backend", "worker_plan", "replica_plan", "PROBE_ORDER"]
 
 PROBE_ORDER = (npu, cuda, cpu)
 
@@ -42,14 +42,23 @@ def resolve_backend(args: BackendArgs) -> Backend:
     return module.make(args, f"asked for: {how}")
 
 
+def _planned(args: BackendArgs) -> Backend:
+    name = resolve_backend(args).name if args.device == "auto" else args.device
+    module = {m.NAME: m for m in PROBE_ORDER}[name]
+    return Backend(name, "planned", module.DIST_BACKEND, module.RAY_RESOURCE, None, None, False)
+
+
+def replica_plan(args: BackendArgs, cpus: float) -> dict:
+    """``ray_actor_options`` for a Serve model replica; like :func:`worker_plan`, an explicit device is not probed."""
+    return _planned(args).actor_options(cpus)
+
+
 def worker_plan(args: BackendArgs, num_workers: int, cpus_per_worker: float) -> tuple[str, dict, dict[str, str]]:
     """What the driver asks Ray for: ``(dist backend, ScalingConfig kwargs, worker environment)``.
 
     The driver may have no accelerator itself (a CPU head node of an NPU cluster), so an explicit
     ``backend.device`` is taken at its word here and probed on the workers; ``auto`` probes the driver.
     """
-    name = resolve_backend(args).name if args.device == "auto" else args.device
-    module = {m.NAME: m for m in PROBE_ORDER}[name]
-    template = Backend(name, "planned", module.DIST_BACKEND, module.RAY_RESOURCE, None, None, False)
-    env = npu.hccl_env(args) if name == "npu" else {}
-    return module.DIST_BACKEND, template.scaling(num_workers, cpus_per_worker), env
+    template = _planned(args)
+    env = npu.hccl_env(args) if template.name == "npu" else {}
+    return template.dist_backend, template.scaling(num_workers, cpus_per_worker), env

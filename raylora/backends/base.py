@@ -53,6 +53,14 @@ class Backend:
             resources[self.ray_resource] = 1
         return {"num_workers": num_workers, "use_gpu": False, "resources_per_worker": resources}
 
+    def actor_options(self, cpus: float) -> dict[str, Any]:
+        """``ray_actor_options`` for one Serve replica holding a model on this device."""
+        if self.ray_resource == "GPU":
+            return {"num_cpus": cpus, "num_gpus": 1}
+        if self.ray_resource == "CPU":
+            return {"num_cpus": cpus}
+        return {"num_cpus": cpus, "resources": {self.ray_resource: 1}}
+
     def synchronize(self) -> None:
         """Wait for queued device work, so timings are honest."""
         if self.name != "cpu":

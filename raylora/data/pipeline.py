@@ -18,8 +18,8 @@ from typing import Any
 
 from raylora.config import DataArgs, JobConfig, to_dict
 from raylora.data.encode import TokenizerSpec, tokenizer_spec
-from raylora.data.formats import DEFAULT_COLUMNS, FORMATS, detect_format
-from raylora.data.read import RawRowsDatasource, expand, first_row
+from raylora.data.formats import DEFAULT_COLUMNS, FORMATS, RowError, detect_format, to_messages
+from raylora.data.read import RawRowsDatasource, expand, first_row, iter_raw
 from raylora.data.transforms import encode_batch, pack_batch, unit_hash, worker_spec, write_shard
 from raylora.model_files import load_tokenizer
 
@@ -85,6 +85,30 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
     if problems:
         raise DataError("data problems:\n  - " + "\n  - ".join(problems))
     return plan
+
+
+def sample_conversations(data: DataArgs, n: int, skip: int = 0) -> list[list[dict[str, str]]]:
+    """The first valid conversations of ``data.sources`` in file order, after ``skip`` of them (calibration, evaluation).
+
+    Rows that do not parse are passed over; :func:`prepare` is where they are counted and written aside.
+    """
+    out: list[list[dict[str, str]]] = []
+    for path, how in plan_sources(data).items():
+        with open(path, "rb") as f:
+            for _, raw, error in iter_raw(f, path):
+                if error is not None:
+                    continue
+                try:
+                    messages = to_messages(json.loads(raw), how["format"], how["columns"], data.placeholders)
+                except (RowError, ValueError):
+                    continue
+                if skip:
+                    skip -= 1
+                    continue
+                out.append(messages)
+                if len(out) == n:
+                    return out
+    return out
 
 
 def build_dataset(

@@ -14,7 +14,7 @@ def test_help_lists_every_command():
         assert name in out and COMMANDS[name][:30] in out
 
 
-@pytest.mark.parametrize("command", ["tune", "export", "serve"])
+@pytest.mark.parametrize("command", ["tune", "export"])
 def test_commands_not_landed_say_so_and_fail(command, capsys):
     assert main([command, "configs/tiny_lora_cpu.yaml"]) == 2
     err = capsys.readouterr().err
@@ -59,3 +59,15 @@ def test_model_errors_are_one_line_not_a_traceback(tmp_path, capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert err.startswith("raylora quickstart: model.name_or_path:") and "Traceback" not in err
+
+
+def test_serve_lists_every_problem_before_touching_ray(tmp_path, capsys):
+    (tmp_path / "root").write_text("not a folder")
+    args = ["serve", "configs/tiny_serve_cpu.yaml", "serve.quantization=w8a8-smoothquant", "data.sources=[]",
+            f"serve.adapter_root={tmp_path / 'root'}"]  # fmt: skip
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "calibrates on data.sources" in err and "is a file" in err
+    import ray
+
+    assert not ray.is_initialized()

@@ -1,0 +1,279 @@
+"""Serving benchmark: raylora's Ray Serve app against itself with batching off and against `transformers serve`.
+
+Workload (the issue's): SmolLM2-135M-Instruct on this CPU, 16 concurrent clients, each sending chat requests
+built from the alpaca sample questions with max_tokens=64 and greedy decoding, non-streaming; generated
+tokens are counted from each answer's `usage`. Printed per server: generated tokens/s, p50/p99 latency,
+peak resident memory of every process of that server (for ours: the whole Ray cluster, sampled every 0.2 s).
+
+Runs, back to back in this process:
+  ours, batching on       raylora serve (engine hf, max_batch_size 16)
+  ours, batching off      the same with max_batch_size 1
+  ours, quantised         serve.quantization (default w8a8-smoothquant), batching on
+  transformers serve      `transformers serve <folder> --continuous-batching` (the named baseline)
+  multi-LoRA              8 random rank-8 adapters: one adapter only vs all 8 round-robin; replica memory
+                          with 8 adapters loaded vs the base alone
+
+    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--skip-baseline] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import requests  # noqa: E402
+from data import SHARED, ray_rss_mb  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+
+
+def questions(n: int) -> list[list[dict]]:
+    rows = json.loads((SHARED / "alpaca_en_demo.json").read_text())
+    return [[{"role": "user", "content": (r["instruction"] + "\n" + r["input"]).strip()}] for r in rows[:n]]
+
+
+def load(url: str, model, clients: int, n: int, max_tokens: int = 64) -> dict:
+    """``n`` requests from ``clients`` threads; ``model`` is a name or a function of the request index."""
+    qs = questions(n)
+    lock = threading.Lock()
+    latencies: list[float] = []
+    tokens = [0]
+    todo = list(range(n))
+
+    def client() -> None:
+        session = requests.Session()
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            name = model(i) if callable(model) else model
+            body = {"model": name, "messages": qs[i], "max_tokens": max_tokens, "temperature": 0}
+            started = time.monotonic()
+            r = session.post(url + "/v1/chat/completions", json=body, timeout=900)
+            r.raise_for_status()
+            with lock:
+                latencies.append(time.monotonic() - started)
+                tokens[0] += r.json()["usage"]["completion_tokens"]
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+    q = statistics.quantiles(latencies, n=100)
+    return {"requests": n, "tokens": tokens[0], "wall_s": wall, "tok_s": tokens[0] / wall, "p50_s": q[49], "p99_s": q[98]}
+
+
+class Peak:
+    """Samples a memory function every 0.2 s in the background; ``.mb`` is the peak seen."""
+
+    def __init__(self, measure):
+        self.measure, self.mb, self._done = measure, measure(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.2):
+            self.mb = max(self.mb, self.measure())
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.mb
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(dtype: str, batch: int, quantization: str = "none", adapter_root: str | None = None):
+    from raylora.config import from_dict
+
+    return from_dict({
+        "model": {"name_or_path": MODEL, "dtype": dtype},
+        "data": {"sources": [{"path": str(SHARED / "alpaca_en_demo.json")}]},
+        "serve": {"port": _port(), "max_batch_size": batch, "cpus_per_replica": 2, "quantization": quantization,
+                  "max_adapters": 8, "adapter_root": adapter_root or tempfile.mkdtemp()},
+        "backend": {"device": "cpu"},
+        "tracking": {"enabled": False},
+    })  # fmt: skip
+
+
+def run_ours(cfg, clients: int, n: int, model=None, after=None) -> dict:
+    """Start our app, warm it up, run the load; ``after(url)`` may measure more before it is torn down."""
+    import ray
+    from ray import serve
+
+    from raylora.serve.app import served_name
+    from raylora.serve.launch import APP_NAME, start
+
+    url = start(cfg)
+    name = model or served_name(cfg)
+    load(url, name, 2, 2, 8)  # warm-up
+    peak = Peak(ray_rss_mb)
+    out = load(url, name, clients, n)
+    out["peak_mb"] = peak.stop()
+    if after:
+        out.update(after(url))
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    ray.shutdown()
+    return out
+
+
+def run_transformers_serve(dtype: str, clients: int, n: int) -> dict:
+    """`transformers serve` with continuous batching on the same model folder; stopped by the PID we started."""
+    import psutil
+
+    from raylora.config import ModelArgs
+    from raylora.model_files import model_folder
+
+    folder = model_folder(ModelArgs(name_or_path=MODEL))
+    port = _port()
+    exe = Path(sys.executable).with_name("transformers")
+    proc = subprocess.Popen(
+        [str(exe), "serve", str(folder), "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", dtype, "--device", "cpu"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def tree_mb() -> float:
+        try:
+            p = psutil.Process(proc.pid)
+            return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)]) / 2**20
+        except psutil.NoSuchProcess:
+            return 0.0
+
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(url + "/health", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                time.sleep(1)
+        load(url, str(folder), 2, 2, 8)  # warm-up (loads the model)
+        peak = Peak(tree_mb)
+        out = load(url, str(folder), clients, n)
+        out["peak_mb"] = peak.stop()
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def make_adapters(root: Path, count: int) -> list[str]:
+    """``count`` random rank-8 attention adapters for SmolLM2 (the size training writes by default)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from raylora.config import ModelArgs
+    from raylora.model_files import model_folder
+
+    config = AutoConfig.from_pretrained(model_folder(ModelArgs(name_or_path=MODEL)))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = []
+    for i in range(count):
+        model = get_peft_model(skeleton, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        gen = torch.Generator().manual_seed(i)
+        state = {k: torch.randn(p.shape, generator=gen) * 0.01 for k, p in model.named_parameters() if "lora_" in k}
+        model.to_empty(device="cpu")
+        model.load_state_dict(state, strict=False)
+        model.save_pretrained(root / f"adapter-{i}")
+        names.append(f"adapter-{i}")
+        skeleton = model.unload()
+    return names
+
+
+def replica_rss_mb() -> float:
+    import psutil
+    from ray import serve
+
+    pid = serve.get_deployment_handle("LLMServer", app_name="raylora").info.remote().result(timeout_s=60)["pid"]
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def multi_lora(dtype: str, clients: int, n: int) -> dict:
+    root = Path(tempfile.mkdtemp())
+    names = make_adapters(root, 8)
+    cfg = _config(dtype, 16, adapter_root=str(root))
+
+    def after(url: str) -> dict:
+        base_mb = replica_rss_mb()
+        single = load(url, names[0], clients, n)
+        load(url, lambda i: names[i % 8], 8, 8, 4)  # every adapter loaded once
+        loaded_mb = replica_rss_mb()
+        mixed = load(url, lambda i: names[i % 8], clients, n)
+        return {"single": single, "mixed": mixed, "base_mb": base_mb, "loaded_mb": loaded_mb}
+
+    # The base-model load is the warm-up; memory "base alone" is read before any adapter is used.
+    out = run_ours(cfg, 2, 2, after=after)
+    return out
+
+
+def row(name: str, r: dict) -> str:
+    return f"| {name} | {r['tok_s']:.1f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['peak_mb']:.0f} | {r['requests']} |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--quantization", default="w8a8-smoothquant", choices=("none", "w8a8", "w8a8-smoothquant"))
+    p.add_argument("--skip-baseline", action="store_true", help="do not run transformers serve")
+    args = p.parse_args()
+    n, c = args.requests, args.clients
+
+    results = {"on": run_ours(_config(args.dtype, 16), c, n)}
+    results["off"] = run_ours(_config(args.dtype, 1), c, max(16, n // 4))
+    if args.quantization != "none":
+        results["quant"] = run_ours(_config(args.dtype, 16, args.quantization), c, n)
+    if not args.skip_baseline:
+        results["hf"] = run_transformers_serve(args.dtype, c, n)
+    lora = multi_lora(args.dtype, c, n)
+
+    print(f"\n{c} concurrent clients, 64-token answers, SmolLM2-135M-Instruct, {args.dtype}\n")
+    print("| server | generated tok/s | p50 s | p99 s | peak memory MiB | requests |\n|---|---|---|---|---|---|")
+    labels = {"on": "raylora, batching on", "off": "raylora, batching off", "quant": f"raylora, {args.quantization}",
+              "hf": "transformers serve --continuous-batching"}  # fmt: skip
+    for key, r in results.items():
+        print(row(labels[key], r))
+    best = max((results[k] for k in ("on", "quant") if k in results), key=lambda r: r["tok_s"])
+    print(f"\nbatching on / off: {results['on']['tok_s'] / results['off']['tok_s']:.2f}x (target >= 3)")
+    if "hf" in results:
+        hf = results["hf"]
+        print(f"best raylora / transformers serve: {best['tok_s'] / hf['tok_s']:.2f}x tokens/s (target >= 1.5), "
+              f"memory {best['peak_mb'] / hf['peak_mb']:.2f}x (target <= 0.5)")  # fmt: skip
+    print(f"\nmulti-LoRA: replica memory base alone {lora['base_mb']:.0f} MiB, with 8 adapters {lora['loaded_mb']:.0f} MiB "
+          f"-> {lora['loaded_mb'] / lora['base_mb']:.3f}x (target <= 1.2)")  # fmt: skip
+    s, m = lora["single"], lora["mixed"]
+    print(f"one adapter {s['tok_s']:.1f} tok/s, 8 adapters round-robin {m['tok_s']:.1f} tok/s -> "
+          f"switching costs {100 * (1 - m['tok_s'] / s['tok_s']):.1f}% (target < 5%)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""The Ray Serve application: an OpenAI-compatible HTTP ingress in front of the model deployment.
+
+``build_app(cfg)`` returns the application; ``app_builder`` lets ``serve run`` / ``serve deploy`` build it
+from a Serve config file (``configs/serve_*.yaml``). Every error is OpenAI's error JSON: 4xx for the
+client's mistakes, 5xx when a replica fails, never a hang.
+"""
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from raylora.config import JobConfig, from_dict, load_config, to_dict
+from raylora.serve import protocol
+from raylora.serve.adapters import AdapterError, check_name, install, list_local, list_registered, local_adapter
+from raylora.serve.protocol import ApiError
+from raylora.serve.replica import LLMServer
+
+log = logging.getLogger("ray.serve")
+api = FastAPI(title="raylora", docs_url=None, redoc_url=None)
+REPLICA_TIMEOUT_S = 600  # a request still unanswered then is failed with 504, not left hanging
+
+
+def served_name(cfg: JobConfig) -> str:
+    """The ``model`` id of the base model: its registry name, or the folder / file name of its path."""
+    return Path(cfg.model.name_or_path).name.removesuffix(".gguf")
+
+
+def resolve_keys(cfg: JobConfig) -> tuple[str | None, str | None]:
+    """``(api key, admin key)`` from the config, else the RAYLORA_API_KEY / RAYLORA_ADMIN_KEY environment."""
+    return (cfg.serve.api_key or os.environ.get("RAYLORA_API_KEY") or None,
+            cfg.serve.admin_key or os.environ.get("RAYLORA_ADMIN_KEY") or None)  # fmt: skip
+
+
+def _error(e: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@api.exception_handler(ApiError)
+async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+    return _error(e)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    code = {404: "unknown_url", 405: "method_not_allowed"}.get(e.status_code)
+    return _error(ApiError(e.status_code, str(e.detail), code=code))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+    log.exception("unexpected error in the HTTP ingress")
+    return _error(
+        ApiError(500, f"internal error ({type(e).__name__}); the server keeps serving", code="internal_error")
+    )
+
+
+def _bearer(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _check_key(request: Request, key: str | None, what: str) -> None:
+    if key is None:
+        return
+    given = _bearer(request)
+    if not given:
+        raise ApiError(401, f"{what} needs an API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise ApiError(401, "the API key given is not valid", code="invalid_api_key")
+
+
+async def _next_event(stream) -> dict:
+    """The next event from the model deployment, with its failures turned into :class:`ApiError`."""
+    try:
+        return await asyncio.wait_for(stream.__anext__(), REPLICA_TIMEOUT_S)
+    except StopAsyncIteration:
+        raise ApiError(502, "the model replica ended the answer early", code="replica_failed") from None
+    except TimeoutError:
+        raise ApiError(
+            504, f"no token from the model replica in {REPLICA_TIMEOUT_S} s", code="replica_timeout"
+        ) from None
+    except Exception as e:
+        cause = getattr(e, "cause", None) or e  # Ray wraps what the replica raised
+        if isinstance(cause, ApiError):
+            raise ApiError(cause.status, cause.message, cause.param, cause.code) from None
+        if isinstance(cause, AdapterError):
+            raise ApiError(cause.status, str(cause), "model", cause.code) from None
+        # A replica that died or failed: Serve replaces it; this request gets a 5xx body.
+        log.warning("generation failed in the model replica: %s", e)
+        raise ApiError(
+            503, f"the model replica failed ({type(e).__name__}); retry shortly", code="replica_failed"
+        ) from None
+
+
+@serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class Ingress:
+    """HTTP routes; validates, authenticates and forwards generation to the model deployment."""
+
+    def __init__(self, cfg: dict, llm):
+        self.cfg = from_dict(cfg)
+        self.llm = llm
+        self.base = served_name(self.cfg)
+        self.root = Path(self.cfg.serve.adapter_root).resolve()
+        self.api_key, self.admin_key = resolve_keys(self.cfg)
+
+    def _tracking_uri(self) -> str | None:
+        if not self.cfg.tracking.enabled:
+            return None
+        from raylora.tracking import tracking_uri
+
+        return tracking_uri(self.cfg.tracking)
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        _check_key(request, self.api_key, "this endpoint")
+        names = await asyncio.to_thread(self._adapter_names)
+        created = int(time.time())
+        data = [{"id": self.base, "object": "model", "created": created, "owned_by": "raylora"}]
+        data += [{"id": n, "object": "model", "created": created, "owned_by": "raylora", "parent": self.base}
+                 for n in names if n != self.base]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    def _adapter_names(self) -> list[str]:
+        uri = self._tracking_uri()
+        return sorted(set(list_local(self.root)) | set(list_registered(uri) if uri else []))
+
+    @api.post("/v1/adapters")
+    async def register(self, request: Request) -> JSONResponse:
+        if self.admin_key is None:
+            raise ApiError(403, "adapter registration is off: set serve.admin_key or RAYLORA_ADMIN_KEY",
+                           code="registration_disabled")  # fmt: skip
+        _check_key(request, self.admin_key, "POST /v1/adapters")
+        body = protocol.parse_body(await request.body())
+        unknown = set(body) - {"name", "source"}
+        if unknown:
+            raise ApiError(
+                400, f"unrecognized fields {sorted(unknown)}; send name and source", code="unrecognized_argument"
+            )
+        name, source = body.get("name"), body.get("source")
+        if not isinstance(name, str) or not isinstance(source, str) or not source:
+            raise ApiError(400, "send {'name': str, 'source': a trained adapter folder, runs:/... or models:/...}")
+        if name == self.base:
+            raise ApiError(409, f"{name!r} is the base model's name", "name", "adapter_exists")
+        try:
+            path = await asyncio.to_thread(install, self.root, name, source, self._tracking_uri())
+        except AdapterError as e:
+            raise ApiError(e.status, str(e), "name" if e.status == 409 else "source", e.code) from None
+        log.info("adapter %s registered from %s into %s", name, source, path)
+        return JSONResponse(
+            {"id": name, "object": "model", "owned_by": "raylora", "parent": self.base}, status_code=201
+        )
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self._generate(request, chat=True)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, chat: bool):
+        _check_key(request, self.api_key, "this endpoint")
+        body = protocol.parse_body(await request.body())
+        gen = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
+        adapter = "" if gen.model == self.base else await asyncio.to_thread(self._known_adapter, gen.model)
+        payload = {"messages": gen.messages, "prompt": gen.prompt, "max_tokens": gen.max_tokens,
+                   "temperature": gen.temperature, "top_p": gen.top_p, "stop": list(gen.stop), "seed": gen.seed}  # fmt: skip
+        stream = self.llm.options(stream=True, multiplexed_model_id=adapter).generate.remote(payload)
+        rid = protocol.completion_id(chat)
+        first = await _next_event(stream)  # errors before the first token still get a proper status code
+        if gen.stream:
+            return StreamingResponse(self._sse(stream, first, rid, gen, chat), media_type="text/event-stream")
+        events = [first]
+        while not (events[-1]["finish_reason"] or events[-1]["error"]):
+            events.append(await _next_event(stream))
+        if events[-1]["error"]:
+            raise ApiError(500, events[-1]["error"], code="generation_failed")
+        last = events[-1]
+        text = "".join(e["text"] for e in events)
+        use = protocol.usage(last["prompt_tokens"], last["completion_tokens"])
+        return protocol.response(rid, gen.model, chat, text, last["finish_reason"], use)
+
+    def _known_adapter(self, name: str) -> str:
+        """``name`` if an adapter of that name can be served; :class:`ApiError` 404 naming what exists otherwise."""
+        try:
+            check_name(name)
+            local_adapter(self.root, name)
+            return name
+        except AdapterError as e:
+            if e.status != 404:
+                raise ApiError(e.status, str(e), "model", e.code) from None
+        uri = self._tracking_uri()
+        if uri and name in list_registered(uri):
+            return name
+        known = [self.base, *self._adapter_names()]
+        raise ApiError(
+            404, f"the model {name!r} does not exist; available: {', '.join(known)}", "model", "model_not_found"
+        )
+
+    async def _sse(self, stream, first: dict, rid: str, gen: protocol.Generation, chat: bool):
+        event, sent_role = first, False
+        try:
+            while True:
+                if event["error"]:
+                    yield protocol.sse(ApiError(500, event["error"], code="generation_failed").body())
+                    break
+                if event["text"] or not sent_role:
+                    yield protocol.sse(protocol.chunk(rid, gen.model, chat, event["text"], None, first=not sent_role))
+                    sent_role = True
+                if event["finish_reason"]:
+                    yield protocol.sse(
+                        protocol.chunk(rid, gen.model, chat, None if chat else "", event["finish_reason"])
+                    )
+                    if gen.include_usage:
+                        use = protocol.usage(event["prompt_tokens"], event["completion_tokens"])
+                        yield protocol.sse(
+                            {**protocol.chunk(rid, gen.model, chat, None, None), "choices": [], "usage": use}
+                        )
+                    break
+                event = await _next_event(stream)
+        except ApiError as e:  # the replica failed mid-answer: tell the client in the stream, then end it
+            yield protocol.sse(e.body())
+        yield protocol.sse("[DONE]")
+
+
+def build_app(cfg: JobConfig):
+    """The Serve application for ``cfg``: the ingress bound to ``serve.replicas`` model replicas.
+
+    Raises:
+        BackendError: the configured device is absent.
+    """
+    from raylora.backends import replica_plan
+
+    options = replica_plan(cfg.backend, cfg.serve.cpus_per_replica)
+    model = serve.deployment(LLMServer).options(
+        name="LLMServer", num_replicas=cfg.serve.replicas, ray_actor_options=options,
+        max_ongoing_requests=max(64, 4 * cfg.serve.max_batch_size), health_check_period_s=5,
+    )  # fmt: skip
+    return Ingress.bind(to_dict(cfg), model.bind(to_dict(cfg)))
+
+
+def app_builder(args: dict):
+    """``serve run raylora.serve.app:app_builder config=CONFIG.yaml [overrides='a=1 b=2']`` entry point."""
+    unknown = set(args) - {"config", "overrides"}
+    if "config" not in args or unknown:
+        raise ValueError(f"app_builder takes config=PATH and optionally overrides='k=v ...'; got {sorted(args)}")
+    overrides = args.get("overrides", "")
+    return build_app(load_config(args["config"], overrides.split() if isinstance(overrides, str) else list(overrides)))

@@ -1,0 +1,314 @@
+"""The generation engine of one serving replica: continuous batching across LoRA adapters.
+
+One thread owns the model. Requests join the running batch between decode steps (their prompts are
+prefilled together, then their KV cache is left-padded and concatenated onto the batch's), finished
+sequences leave it at once, and every step is one forward pass for all running sequences whatever
+adapter each uses (peft's mixed-batch ``adapter_names``). Adapter loads and unloads run on the same
+thread between steps, so a forward pass never sees the model change under it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+@dataclass
+class GenRequest:
+    """One generation: token ids in, text out.
+
+    Attributes:
+        prompt_ids: the rendered prompt's token ids.
+        adapter: adapter name, or None for the base model.
+        max_tokens: generated tokens at most.
+        temperature: 0 decodes greedily.
+        top_p: nucleus sampling mass.
+        stop: strings that end the answer (not included in it).
+        seed: makes sampling repeatable.
+    """
+
+    prompt_ids: list[int]
+    adapter: str | None = None
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Event:
+    """What a request hears from the engine: text deltas, then one final event with the finish reason."""
+
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" on the final event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Seq:
+    req: GenRequest
+    emit: Callable[[Event], None]
+    generator: torch.Generator
+    ids: list[int] = field(default_factory=list)
+    sent: int = 0
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Engine:
+    """Continuous-batching generation over a (possibly peft-wrapped) causal LM.
+
+    Args:
+        model: a Hugging Face causal LM in eval mode, or a peft model around one.
+        tokenizer: its tokenizer (decoding, end-of-sequence ids).
+        max_batch_size: sequences decoded together; 1 turns batching off.
+        batch_wait_s: how long an idle engine waits for more requests before starting a batch.
+    """
+
+    def __init__(self, model, tokenizer, max_batch_size: int, batch_wait_s: float):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.max_context = model.config.max_position_embeddings
+        self._cv = threading.Condition()
+        self._waiting: list[_Seq] = []
+        self._calls: list[tuple[Callable, Future]] = []
+        self._running: list[_Seq] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # (batch, cache length), 1 = real token
+        self._next: torch.Tensor | None = None  # (batch, 1) the token each sequence feeds next
+        self._stopping = False
+        self.max_running = 0  # the largest batch decoded so far (tests, benchmarks)
+        self._thread = threading.Thread(target=self._loop, name="raylora-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenRequest, emit: Callable[[Event], None]) -> _Seq:
+        """Queue a request; ``emit`` is called from the engine thread. Returns a handle with ``cancel()``."""
+        gen = torch.Generator()
+        gen.manual_seed(req.seed) if req.seed is not None else gen.seed()
+        seq = _Seq(req, emit, gen)
+        with self._cv:
+            self._waiting.append(seq)
+            self._cv.notify()
+        return seq
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` on the engine thread between decode steps (adapter loads and unloads)."""
+        future: Future = Future()
+        with self._cv:
+            self._calls.append((fn, future))
+            self._cv.notify()
+        return future
+
+    def adapters_in_use(self) -> set[str]:
+        with self._cv:
+            return {s.req.adapter for s in self._running + self._waiting if s.req.adapter}
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not (self._running or self._waiting or self._calls or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                if not self._running and self._waiting and self.batch_wait_s:
+                    self._cv.wait_for(lambda: len(self._waiting) >= self.max_batch_size, self.batch_wait_s)
+                calls, self._calls = self._calls, []
+                room = self.max_batch_size - len(self._running)
+                admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # the caller gets the reason; the engine keeps serving
+                    future.set_exception(e)
+            try:
+                admitted = [s for s in admitted if not s.cancelled]
+                if admitted:
+                    self._admit(admitted)
+                if self._running:
+                    self._step()
+            except Exception as e:  # a failed forward fails its requests, not the replica
+                for seq in self._running + admitted:
+                    seq.emit(Event(error=f"generation failed: {type(e).__name__}: {e}"))
+                self._running, self._cache, self._mask, self._next = [], None, None, None
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache):
+        kwargs = {}
+        if hasattr(self.model, "peft_config"):
+            kwargs["adapter_names"] = [s.req.adapter or BASE for s in seqs]
+        device = self.model.device
+        out = self.model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+            cache=cache, use_cache=True, logits_to_keep=1, **kwargs,
+        )  # fmt: skip
+        return out.logits[:, -1, :].float().cpu(), out.cache
+
+    def _admit(self, seqs: list[_Seq]) -> None:
+        width = max(len(s.req.prompt_ids) for s in seqs)
+        ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            n = len(s.req.prompt_ids)
+            ids[i, width - n :] = torch.tensor(s.req.prompt_ids)
+            mask[i, width - n :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits, cache = self._forward(ids, mask, positions, seqs, None)
+        tokens = self._sample(logits, seqs)
+        seqs, cache, mask, tokens = self._keep_unfinished(seqs, cache, mask, tokens)
+        if not seqs:
+            return
+        if self._running:
+            cache, mask = _merge(self._cache, self._mask, cache, mask)
+            tokens = torch.cat([self._next, tokens])
+        self._running += seqs
+        self.max_running = max(self.max_running, len(self._running))
+        self._cache, self._mask, self._next = cache, mask, tokens
+
+    def _step(self) -> None:
+        positions = self._mask.sum(1, keepdim=True)
+        mask = torch.cat([self._mask, torch.ones_like(self._next)], dim=1)
+        logits, cache = self._forward(self._next, mask, positions, self._running, self._cache)
+        tokens = self._sample(logits, self._running)
+        self._running, self._cache, self._mask, self._next = self._keep_unfinished(self._running, cache, mask, tokens)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+        """Next token per row of ``logits`` (batch, vocab) as (batch, 1): greedy at temperature 0, else top-p."""
+        tokens = logits.argmax(-1)
+        for i, s in enumerate(seqs):
+            if s.req.temperature > 0:
+                tokens[i] = _top_p_sample(logits[i] / s.req.temperature, s.req.top_p, s.generator)
+        return tokens[:, None]
+
+    def _keep_unfinished(self, seqs: list[_Seq], cache, mask: torch.Tensor, tokens: torch.Tensor):
+        """Hand each sequence its new token; drop the finished and cancelled ones from the batch state."""
+        keep = [i for i, (s, t) in enumerate(zip(seqs, tokens[:, 0].tolist(), strict=True))
+                if not (s.cancelled or self._advance(s, t))]  # fmt: skip
+        if len(keep) == len(seqs):
+            return seqs, cache, mask, tokens
+        if not keep:
+            return [], None, None, None
+        index = torch.tensor(keep)
+        cache.batch_select_indices(index)
+        mask, tokens = mask[index], tokens[index]
+        # Columns that are padding in every remaining row are dead weight for attention.
+        first = int((mask.cumsum(1) == 0).sum(1).min())
+        if first:
+            mask = mask[:, first:]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
+        return [seqs[i] for i in keep], cache, mask, tokens
+
+    def _advance(self, seq: _Seq, token: int) -> bool:
+        """Record ``token`` for ``seq`` and send the text that is final; returns whether ``seq`` finished."""
+        reason = None
+        if token in self.eos_ids:
+            reason = "stop"
+        else:
+            seq.ids.append(token)
+        text = self.tokenizer.decode(seq.ids, skip_special_tokens=True)
+        cut = min((text.find(s) for s in seq.req.stop if s in text), default=-1)
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+        elif reason is None and len(seq.ids) >= seq.req.max_tokens:
+            reason = "length"
+        if reason is None:
+            # Hold back what could still become a stop string or is half a multi-byte character.
+            hold = max((len(s) - 1 for s in seq.req.stop), default=0)
+            end = len(text) - hold
+            while end > seq.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        else:
+            end = len(text)
+        delta = text[seq.sent : max(end, seq.sent)]
+        seq.sent = max(end, seq.sent)
+        if reason is not None:
+            seq.emit(Event(delta, reason, len(seq.req.prompt_ids), len(seq.ids)))
+        elif delta:
+            seq.emit(Event(delta))
+        return reason is not None
+
+
+def _top_p_sample(logits: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
+    """Sample one id from ``logits`` (vocab,) keeping the smallest set of ids whose probability reaches ``top_p``."""
+    probs = torch.softmax(logits, -1)
+    sorted_probs, order = probs.sort(descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    sorted_probs[outside] = 0
+    pick = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+    return int(order[pick])
+
+
+def _merge(cache_a, mask_a: torch.Tensor, cache_b, mask_b: torch.Tensor):
+    """Concatenate two KV caches along the batch, left-padding the shorter one to the other's length.
+
+    Args:
+        cache_a, cache_b: transformers ``DynamicCache`` objects, layer tensors (batch, heads, length, dim).
+        mask_a, mask_b: (batch, length) attention masks of the caches, 1 for a real token.
+    Returns:
+        ``(cache_a, mask)``: ``cache_a`` now holds both batches, ``mask`` is their joint mask.
+    """
+    la, lb = mask_a.shape[1], mask_b.shape[1]
+    width = max(la, lb)
+    for layer_a, layer_b in zip(cache_a.layers, cache_b.layers, strict=True):
+        for name in ("keys", "values"):
+            a, b = _left_pad(getattr(layer_a, name), width), _left_pad(getattr(layer_b, name), width)
+            setattr(layer_a, name, torch.cat([a, b]))
+    mask = torch.cat([_left_pad(mask_a, width), _left_pad(mask_b, width)])
+    return cache_a, mask
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the sequence dimension of ``t`` on the left to ``width`` (dim -2 for KV tensors, -1 for masks)."""
+    dim = -2 if t.dim() == 4 else -1
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def wait_for(engine: Engine, req: GenRequest, timeout_s: float = 600) -> Event:
+    """Run ``req`` to completion from a plain thread; returns one event with the whole text (tests, benchmarks)."""
+    done = threading.Event()
+    parts: list[Event] = []
+
+    def emit(event: Event) -> None:
+        parts.append(event)
+        if event.finish_reason or event.error:
+            done.set()
+
+    engine.submit(req, emit)
+    started = time.monotonic()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"no answer after {time.monotonic() - started:.0f} s")
+    last = parts[-1]
+    return Event(
+        "".join(p.text for p in parts), last.finish_reason, last.prompt_tokens, last.completion_tokens, last.error
+    )

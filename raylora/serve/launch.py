@@ -1,0 +1,88 @@
+"""Starting the server: checks before the cluster, then ``serve.run`` on the chosen engine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from raylora.config import JobConfig
+
+APP_NAME = "raylora"
+
+
+def check_serve(cfg: JobConfig) -> list[str]:
+    """Every problem that would stop ``cfg`` from serving, found without touching the cluster."""
+    from raylora.backends import BackendError, resolve_backend
+
+    problems = []
+    try:
+        backend = cfg.backend.device if cfg.backend.device != "auto" else resolve_backend(cfg.backend).name
+    except BackendError as e:
+        return [str(e)]
+    if cfg.serve.engine == "vllm":
+        from raylora.serve.vllm import check_vllm_config
+
+        return check_vllm_config(cfg, backend)
+    if cfg.serve.quantization == "w8a8-smoothquant" and not cfg.data.sources:
+        problems.append("serve.quantization=w8a8-smoothquant calibrates on data.sources: name at least one data file")
+    root = Path(cfg.serve.adapter_root)
+    if root.exists() and not root.is_dir():
+        problems.append(f"serve.adapter_root={root} is a file; it must be a folder of adapters")
+    problems += _model_problems(cfg)
+    return problems
+
+
+def _model_problems(cfg: JobConfig) -> list[str]:
+    from raylora.model_files import TINY, ModelError, model_folder
+
+    if cfg.model.name_or_path in TINY:
+        return []
+    try:
+        model_folder(cfg.model)
+    except ModelError as e:
+        return [str(e)]
+    return []
+
+
+def start(cfg: JobConfig) -> str:
+    """Deploy the application on the current Ray cluster (started on 127.0.0.1 if none); returns its base URL.
+
+    Raises:
+        ValueError: listing every problem :func:`check_serve` found.
+    """
+    problems = check_serve(cfg)
+    if problems:
+        raise ValueError("cannot serve:\n  - " + "\n  - ".join(problems))
+    from ray import serve
+
+    from raylora.cluster import ensure_ray
+
+    ensure_ray()
+    Path(cfg.serve.adapter_root).mkdir(parents=True, exist_ok=True)
+    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    if cfg.serve.engine == "vllm":
+        from raylora.backends import resolve_backend
+        from raylora.serve.vllm import build_vllm_app
+
+        name = cfg.backend.device if cfg.backend.device != "auto" else resolve_backend(cfg.backend).name
+        app = build_vllm_app(cfg, name)
+    else:
+        from raylora.serve.app import build_app
+
+        app = build_app(cfg)
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    return f"http://{cfg.serve.host}:{cfg.serve.port}"
+
+
+def serve_forever(cfg: JobConfig) -> None:
+    """``raylora serve``: deploy, print how to call it, and keep serving until interrupted."""
+    from ray import serve
+
+    url = start(cfg)
+    print(f"raylora serve: {url}/v1 is ready (OpenAI API; GET {url}/v1/models lists the base and adapters). "
+          "Ctrl-C stops it.", flush=True)  # fmt: skip
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.delete(APP_NAME)

@@ -1,0 +1,223 @@
+"""OpenAI request validation and response shapes, as pure functions (no Ray, no torch).
+
+Every problem with a request becomes an :class:`ApiError`, answered as OpenAI's error JSON
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP ``status`` and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def __reduce__(self):  # crosses Ray process boundaries intact
+        return ApiError, (self.status, self.message, self.param, self.code)
+
+    def body(self) -> dict:
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(self.status)
+        kind = kind or ("invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Generation:
+    """A validated chat or completion request.
+
+    Attributes:
+        model: the base model's or an adapter's name.
+        messages: the conversation (chat), or None.
+        prompt: the prompt text (completions), or None.
+        max_tokens: requested answer length, or None for the server's default.
+    """
+
+    model: str
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# Fields OpenAI defines that this server accepts only at their default value.
+_DEFAULT_ONLY = {
+    "n": (1,), "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+}  # fmt: skip
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _DEFAULT_ONLY.keys() - {"echo", "best_of", "suffix"}
+COMPLETION_FIELDS = _COMMON | {"prompt"} | {"n", "logprobs", "logit_bias", "echo", "best_of", "suffix"}
+COMPLETION_FIELDS |= {"frequency_penalty", "presence_penalty"}
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body; :class:`ApiError` 400 for anything else."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def parse_chat(body: dict) -> Generation:
+    """Validate a ``POST /v1/chat/completions`` body (:class:`ApiError` 400 names the first bad field)."""
+    _check_fields(body, CHAT_FIELDS)
+    messages = _required(body, "messages", list)
+    if not messages:
+        raise ApiError(400, "'messages' must hold at least one message", "messages")
+    gen = _common(body, messages=[_message(m, i) for i, m in enumerate(messages)])
+    if body.get("max_completion_tokens") is not None:
+        gen.max_tokens = _int(body, "max_completion_tokens", 1)
+    return gen
+
+
+def parse_completion(body: dict) -> Generation:
+    """Validate a ``POST /v1/completions`` body; the prompt is one string (or a list holding one)."""
+    _check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be a non-empty string (one prompt per request)", "prompt")
+    return _common(body, prompt=prompt)
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for key, value in body.items():
+        if key not in allowed:
+            raise ApiError(400, f"unrecognized request argument: {key!r}", key, "unrecognized_argument")
+        if key in _DEFAULT_ONLY and value not in _DEFAULT_ONLY[key]:
+            raise ApiError(400, f"{key}={value!r} is not supported by this server; omit it", key, "unsupported_value")
+
+
+def _common(body: dict, **kind: Any) -> Generation:
+    gen = Generation(model=_required(body, "model", str), **kind)
+    if not gen.model:
+        raise ApiError(400, "'model' must not be empty", "model")
+    if body.get("max_tokens") is not None:
+        gen.max_tokens = _int(body, "max_tokens", 1)
+    if body.get("temperature") is not None:
+        gen.temperature = _number(body, "temperature", 0, 2)
+    if body.get("top_p") is not None:
+        gen.top_p = _number(body, "top_p", 0, 1)
+        if gen.top_p == 0:
+            raise ApiError(400, "'top_p' must be > 0", "top_p")
+    if body.get("seed") is not None:
+        gen.seed = _int(body, "seed", -(2**63))
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+            raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
+        gen.stop = tuple(stops)
+    if body.get("stream") is not None:
+        gen.stream = _required(body, "stream", bool)
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise ApiError(400, "'stream_options' must be an object with only 'include_usage'", "stream_options")
+        gen.include_usage = bool(_required(options, "include_usage", bool)) if options else False
+    if body.get("user") is not None:
+        _required(body, "user", str)
+    return gen
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise ApiError(400, f"{param} must be an object with 'role' and 'content'", param)
+    unknown = set(m) - {"role", "content", "name", "tool_call_id"}
+    if unknown:
+        raise ApiError(400, f"{param} has unrecognized fields: {sorted(unknown)}", param, "unrecognized_argument")
+    role = m.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{param}.role")
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"{param}.content parts must be {{'type': 'text', 'text': str}}", f"{param}.content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"{param}.content must be a string or a list of text parts", f"{param}.content")
+    return {"role": role, "content": content}
+
+
+def _required(body: dict, key: str, kind: type) -> Any:
+    value = body.get(key)
+    if value is None:
+        raise ApiError(400, f"missing required field {key!r}", key, "missing_required_parameter")
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ApiError(400, f"{key!r} must be a {kind.__name__}, got {type(value).__name__}", key, "invalid_type")
+    return value
+
+
+def _int(body: dict, key: str, low: int) -> int:
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{key!r} must be an integer, got {value!r}", key, "invalid_type")
+    if value < low or value > 2**63 - 1:
+        raise ApiError(400, f"{key!r} must be ≥ {low}, got {value}", key, "invalid_value")
+    return value
+
+
+def _number(body: dict, key: str, low: float, high: float) -> float:
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ApiError(400, f"{key!r} must be a number, got {value!r}", key, "invalid_type")
+    if not low <= value <= high:
+        raise ApiError(400, f"{key!r} must be between {low} and {high}, got {value}", key, "invalid_value")
+    return float(value)
+
+
+def completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+
+def response(rid: str, model: str, chat: bool, text: str, finish: str, use: dict) -> dict:
+    """A whole (non-streaming) chat.completion or text_completion object."""
+    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+
+
+def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict:
+    """One streamed chunk; a chat stream's first chunk also carries the assistant role."""
+    if chat:
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"

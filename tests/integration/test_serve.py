@@ -1,0 +1,345 @@
+"""The Serve application end to end on a tiny model: real Ray Serve, real HTTP, the real openai client."""
+
+import json
+import os
+import random
+import signal
+import socket
+import threading
+import time
+
+import mlflow
+import openai
+import pytest
+import requests
+import torch
+from peft import LoraConfig, get_peft_model
+from ray import serve
+
+from raylora.config import from_dict
+from raylora.data.encode import Encoder, tokenizer_spec
+from raylora.model_files import tiny_tokenizer
+from raylora.models import tiny_model
+from raylora.serve.adapters import register
+from raylora.serve.launch import APP_NAME, start
+
+KEY, ADMIN = "sk-test-key", "admin-test-key"
+QUESTION = [{"role": "user", "content": "Who are you?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _save_adapter(folder, seed: int, rank: int = 4, hidden: int | None = None):
+    base = tiny_model("llama")
+    if hidden is not None:
+        from transformers import AutoModelForCausalLM
+
+        config = base.config
+        config.hidden_size, config.intermediate_size = hidden, 2 * hidden
+        base = AutoModelForCausalLM.from_config(config)
+    model = get_peft_model(
+        base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, ray_session):
+    tmp = tmp_path_factory.mktemp("serve")
+    root = tmp / "adapters"
+    for i, name in enumerate(["alpha", "beta", "gamma"]):
+        _save_adapter(root / name, seed=i + 1)
+    _save_adapter(root / "too-big", seed=9, rank=32)
+    _save_adapter(root / "other-base", seed=9, hidden=32)
+    _save_adapter(tmp / "trained" / "adapter", seed=7)
+    cfg = from_dict({
+        "model": {"name_or_path": "tiny-llama"},
+        "serve": {"port": _free_port(), "adapter_root": str(root), "max_adapters": 2, "max_lora_rank": 16,
+                  "max_batch_size": 8, "api_key": KEY, "admin_key": ADMIN, "cpus_per_replica": 0.5},
+        "backend": {"device": "cpu"},
+        "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db"},
+    })  # fmt: skip
+    url = start(cfg)
+    yield {"url": url, "cfg": cfg, "tmp": tmp, "root": root}
+    serve.delete(APP_NAME)
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _reference(adapter_dir, messages, max_tokens: int) -> tuple[str, int]:
+    """What the plain model (+ peft adapter) generates greedily, and the prompt's token count."""
+    from peft import PeftModel
+
+    tok = tiny_tokenizer()
+    model = tiny_model("llama").eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+    encoder = Encoder(tokenizer_spec(tok, "auto"), 128, "tail", False)
+    ids = tok(encoder.render(messages, add_generation_prompt=True), add_special_tokens=False).input_ids
+    out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return tok.decode(out[0, len(ids) :], skip_special_tokens=True), len(ids)
+
+
+def _post(server, path, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, bytes | str) else json.dumps(body)
+    return requests.post(server["url"] + path, data=data, headers=headers, timeout=120, **kw)
+
+
+def _is_openai_error(response) -> bool:
+    body = response.json()
+    return set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_health_needs_no_key_and_models_list_base_and_adapters(server, client):
+    assert requests.get(server["url"] + "/health", timeout=30).json() == {"status": "ok"}
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == "tiny-llama" and {"alpha", "beta", "gamma"} <= set(ids)
+
+
+def test_openai_client_chat_equals_local_generation_for_base_and_adapters(server, client):
+    for name in ("tiny-llama", "alpha", "beta"):
+        adapter = None if name == "tiny-llama" else server["root"] / name
+        expected, prompt_tokens = _reference(adapter, QUESTION, 12)
+        out = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=12, temperature=0)
+        assert out.choices[0].message.content == expected, name
+        assert out.choices[0].finish_reason == "length" and out.model == name
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_tokens, 12)
+    assert len({client.chat.completions.create(model=n, messages=QUESTION, max_tokens=12, temperature=0)
+                .choices[0].message.content for n in ("tiny-llama", "alpha", "beta")}) == 3  # fmt: skip
+
+
+def test_streaming_with_the_openai_client_and_plain_http(server, client):
+    expected, prompt_tokens = _reference(server["root"] / "alpha", QUESTION, 16)
+    chunks = list(client.chat.completions.create(model="alpha", messages=QUESTION, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == prompt_tokens
+
+    response = _post(server, "/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8,
+                                                 "temperature": 0, "stream": True}, stream=True)  # fmt: skip
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.iter_lines(decode_unicode=True) if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    whole = _post(
+        server, "/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    )
+    assert "".join(e["choices"][0]["text"] for e in events) == whole.json()["choices"][0]["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["object"] == "text_completion"
+
+
+def test_stop_strings_seed_and_sampling(server, client):
+    text = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=20, temperature=0).choices[0].text
+    stop = text[5:7]
+    cut = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    a, b = (client.completions.create(model="beta", prompt="abc", max_tokens=20, temperature=1.0, top_p=0.9, seed=5)
+            .choices[0].text for _ in range(2))  # fmt: skip
+    assert a == b
+
+
+def test_concurrent_mixed_adapters_batch_together_and_match_alone(server, client):
+    names = ["alpha", "beta", "tiny-llama", "gamma"] * 3  # three adapters through an LRU of two
+    expected = {n: _reference(None if n == "tiny-llama" else server["root"] / n, QUESTION, 10)[0] for n in set(names)}
+    results: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        out = client.chat.completions.create(model=names[i], messages=QUESTION, max_tokens=10, temperature=0)
+        results[i] = out.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(names))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert {i: results.get(i) for i in range(len(names))} == {i: expected[n] for i, n in enumerate(names)}
+
+
+def test_keys_are_required(server):
+    body = {"model": "tiny-llama", "messages": QUESTION, "max_tokens": 2}
+    for key, code in ((None, "missing_api_key"), ("wrong", "invalid_api_key")):
+        r = _post(server, "/v1/chat/completions", body, key=key)
+        assert r.status_code == 401 and _is_openai_error(r) and r.json()["error"]["code"] == code
+    r = _post(server, "/v1/adapters", {"name": "x", "source": str(server["tmp"] / "trained" / "adapter")})
+    assert r.status_code == 401  # the API key is not the admin key
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        ([1, 2], 400, None),
+        ({"model": "tiny-llama"}, 400, "messages"),
+        ({"model": "nope", "messages": QUESTION}, 404, "model"),
+        ({"model": "../alpha", "messages": QUESTION}, 400, "model"),
+        ({"model": "tiny-llama", "messages": QUESTION, "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": "tiny-llama", "messages": QUESTION, "max_tokens": 5000}, 400, "max_tokens"),
+        ({"model": "tiny-llama", "messages": QUESTION, "temperature": "hot"}, 400, "temperature"),
+        ({"model": "tiny-llama", "messages": QUESTION, "n": 2}, 400, "n"),
+        ({"model": "tiny-llama", "messages": QUESTION, "frobnicate": 1}, 400, "frobnicate"),
+        ({"model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+        ({"model": "too-big", "messages": QUESTION}, 422, "model"),
+        ({"model": "other-base", "messages": QUESTION}, 422, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == status and _is_openai_error(r), r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_context_and_incompatible_adapter_errors_say_why(server):
+    r = _post(server, "/v1/chat/completions", {"model": "tiny-llama", "messages": QUESTION, "max_tokens": 5000})
+    assert r.json()["error"]["code"] == "context_length_exceeded" and "2048" in r.json()["error"]["message"]
+    r = _post(server, "/v1/chat/completions", {"model": "too-big", "messages": QUESTION})
+    assert "max_lora_rank" in r.json()["error"]["message"]
+    r = _post(server, "/v1/chat/completions", {"model": "other-base", "messages": QUESTION})
+    assert "q_proj" in r.json()["error"]["message"]
+    assert requests.get(server["url"] + "/v2/nothing", timeout=30).status_code == 404
+
+
+def test_register_adapters_from_a_training_folder_and_from_mlflow(server, client):
+    trained = server["tmp"] / "trained" / "adapter"
+    r = _post(server, "/v1/adapters", {"name": "trained", "source": str(trained)}, key=ADMIN)
+    assert r.status_code == 201 and r.json()["id"] == "trained"
+    assert _post(server, "/v1/adapters", {"name": "trained", "source": str(trained)}, key=ADMIN).status_code == 409
+    assert _post(server, "/v1/adapters", {"name": "../x", "source": str(trained)}, key=ADMIN).status_code == 400
+    expected = _reference(trained, QUESTION, 8)[0]
+    out = client.chat.completions.create(model="trained", messages=QUESTION, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content == expected
+
+    uri = server["cfg"].tracking.uri
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(trained), "adapter")
+    r = _post(server, "/v1/adapters", {"name": "from-run", "source": f"runs:/{run.info.run_id}/adapter"}, key=ADMIN)
+    assert r.status_code == 201
+    register(uri, "registered-identity", f"runs:/{run.info.run_id}/adapter")
+    ids = [m.id for m in client.models.list().data]
+    assert {"trained", "from-run", "registered-identity"} <= set(ids)
+    for name in ("from-run", "registered-identity"):
+        out = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=8, temperature=0)
+        assert out.choices[0].message.content == expected, name
+
+
+def _fuzz_cases(n: int, rng: random.Random) -> list[bytes]:
+    bad = {
+        "model": [None, 1, [], {}, "", "nope", "../../etc/passwd", "/abs", "a" * 300],
+        "messages": [None, "hi", [], [1], [{"role": "wizard", "content": "x"}], [{"role": "user"}],
+                     [{"role": "user", "content": 5}], [{"content": "x"}], [{"role": "user", "content": [{"type": "image"}]}]],
+        "max_tokens": [-1, 0, "5", 1.5, True, 10**30, [], 999999],
+        "temperature": [-1, 3, "hot", [], float("inf")],
+        "top_p": [0, 2, "x", -0.5],
+        "stop": [5, [1], ["a"] * 5, "", [""]],
+        "seed": ["x", 1.5, [], 2**70],
+        "n": [2, 0, "1"],
+        "stream": ["yes", 1, {}],
+        "stream_options": ["x", {"foo": 1}, 3],
+        "logprobs": [True],
+        "unknown_field": [1, "x", None],
+    }  # fmt: skip
+    cases = []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.15:
+            valid = json.dumps({"model": "tiny-llama", "messages": QUESTION})
+            cases.append(valid[: rng.randrange(len(valid))].encode() or b"{")
+        elif kind < 0.2:
+            cases.append(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
+        elif kind < 0.25:
+            cases.append(("[" * rng.randrange(1, 5000)).encode())
+        else:
+            body = {"model": "tiny-llama", "messages": QUESTION, "max_tokens": 2}
+            for field in rng.sample(sorted(bad), rng.randrange(1, 3)):
+                body[field] = rng.choice(bad[field])
+            if "model" in body and body["model"] is None:
+                del body["model"]
+            cases.append(json.dumps(body).encode())
+    return cases
+
+
+def test_a_thousand_malformed_requests_leave_the_server_answering(server, client):
+    rng = random.Random(0)
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {KEY}"
+    statuses = []
+    for i, raw in enumerate(_fuzz_cases(1000, rng)):
+        path = "/v1/chat/completions" if i % 4 else "/v1/completions"
+        r = session.post(server["url"] + path, data=raw, timeout=60)
+        statuses.append(r.status_code)
+        assert 400 <= r.status_code < 500 and _is_openai_error(r), (raw[:200], r.status_code, r.text[:300])
+    assert len(statuses) == 1000
+    expected = _reference(server["root"] / "alpha", QUESTION, 8)[0]
+    out = client.chat.completions.create(model="alpha", messages=QUESTION, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content == expected
+
+
+def test_bounded_load_of_sixteen_clients(server, client):
+    deadline = time.monotonic() + 120
+    done: list[int] = []
+
+    def worker() -> None:
+        for _ in range(2):
+            if time.monotonic() > deadline:
+                return
+            out = client.chat.completions.create(model="alpha", messages=QUESTION, max_tokens=16, temperature=0.7)
+            done.append(out.usage.completion_tokens)
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    assert len(done) == 32 and all(0 <= n <= 16 for n in done) and sum(done) > 0  # sampling may pick EOS first
+
+
+def _replica_pid() -> int:
+    return serve.get_deployment_handle("LLMServer", app_name=APP_NAME).info.remote().result(timeout_s=60)["pid"]
+
+
+def test_a_killed_replica_fails_its_requests_with_5xx_and_is_replaced(server, client):
+    pid = _replica_pid()
+    body = {"model": "tiny-llama", "messages": QUESTION, "max_tokens": 1900, "temperature": 0, "stream": True}
+    response = _post(server, "/v1/chat/completions", body, stream=True)
+    lines = response.iter_lines(decode_unicode=True)
+    assert next(line for line in lines if line).startswith("data: ")
+    os.kill(pid, signal.SIGKILL)  # a replica this test's server started
+    started = time.monotonic()
+    rest = [line for line in lines if line]
+    assert time.monotonic() - started < 60
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])
+    assert error["error"]["type"] == "server_error" and error["error"]["code"] == "replica_failed"
+
+    r = _post(server, "/v1/chat/completions", {"model": "tiny-llama", "messages": QUESTION, "max_tokens": 4})
+    assert r.status_code >= 500 and _is_openai_error(r) or r.status_code == 200
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = _post(
+            server, "/v1/chat/completions", {"model": "alpha", "messages": QUESTION, "max_tokens": 8, "temperature": 0}
+        )
+        if r.status_code == 200:
+            break
+        time.sleep(1)
+    assert (
+        r.status_code == 200
+        and r.json()["choices"][0]["message"]["content"] == _reference(server["root"] / "alpha", QUESTION, 8)[0]
+    )
+    assert _replica_pid() != pid

@@ -1,0 +1,153 @@
+"""The continuous-batching engine against plain ``generate`` on a tiny model (exact greedy equality)."""
+
+import threading
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from raylora.model_files import tiny_tokenizer
+from raylora.models import tiny_model
+from raylora.serve.engine import Engine, Event, GenRequest, wait_for
+
+TOK = tiny_tokenizer()
+PROMPTS = ["hello world", "a much longer prompt than the other ones, to pad", "x", "yy zz"]
+
+
+def _ids(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False).input_ids
+
+
+def _generate(model, text: str, n: int) -> str:
+    ids = _ids(text)
+    out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return TOK.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+@pytest.fixture
+def engine():
+    e = Engine(tiny_model("llama").eval(), TOK, max_batch_size=8, batch_wait_s=0)
+    yield e
+    e.stop()
+
+
+def _adapters(tmp_path) -> PeftModel:
+    for seed, name in enumerate(["a", "b"]):
+        model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        model.save_pretrained(tmp_path / name)
+    model = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "a"), adapter_name="a")
+    model.load_adapter(str(tmp_path / "b"), adapter_name="b")
+    return model.eval()
+
+
+def test_requests_joining_a_running_batch_get_exactly_their_solo_answers(engine):
+    model = tiny_model("llama").eval()
+    expected = [_generate(model, p, 24 if i == 0 else 10) for i, p in enumerate(PROMPTS)]
+    first = threading.Event()
+    results: dict[int, Event] = {}
+
+    def ask(i: int) -> None:
+        results[i] = wait_for(engine, GenRequest(_ids(PROMPTS[i]), max_tokens=24 if i == 0 else 10, temperature=0))
+
+    parts: list[Event] = []
+    engine.submit(GenRequest(_ids(PROMPTS[0]), max_tokens=24, temperature=0), lambda e: (parts.append(e), first.set()))
+    assert first.wait(30)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(1, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    while not parts[-1].finish_reason:
+        threading.Event().wait(0.01)
+    assert "".join(p.text for p in parts) == expected[0]
+    assert [results[i].text for i in range(1, 4)] == expected[1:]
+    assert all(results[i].finish_reason == "length" and results[i].completion_tokens == 10 for i in range(1, 4))
+    assert engine.max_running >= 2  # they really shared decode steps
+
+
+def test_adapters_mix_in_one_batch(tmp_path):
+    model = _adapters(tmp_path)
+    engine = Engine(model, TOK, max_batch_size=8, batch_wait_s=0.2)
+    jobs = [("a", PROMPTS[0]), ("b", PROMPTS[1]), (None, PROMPTS[2]), ("b", PROMPTS[3])]
+    expected = []
+    for name, prompt in jobs:
+        ref = tiny_model("llama").eval()
+        ref = PeftModel.from_pretrained(ref, str(tmp_path / name)).eval() if name else ref
+        expected.append(_generate(ref, prompt, 10))
+    results: dict[int, Event] = {}
+
+    def ask(i: int) -> None:
+        results[i] = wait_for(engine, GenRequest(_ids(jobs[i][1]), jobs[i][0], max_tokens=10, temperature=0))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    engine.stop()
+    assert [results[i].text for i in range(4)] == expected
+    assert len(set(expected)) == 4 and engine.max_running == 4
+
+
+def test_stop_strings_end_the_answer_and_never_leak_into_the_stream(engine):
+    whole = wait_for(engine, GenRequest(_ids("abc"), max_tokens=20, temperature=0)).text
+    stop = whole[6:8]
+    parts: list[Event] = []
+    done = threading.Event()
+    engine.submit(GenRequest(_ids("abc"), max_tokens=20, temperature=0, stop=(stop,)),
+                  lambda e: (parts.append(e), e.finish_reason and done.set()))  # fmt: skip
+    assert done.wait(30)
+    assert "".join(p.text for p in parts) == whole[: whole.find(stop)] and parts[-1].finish_reason == "stop"
+    assert all(stop not in p.text for p in parts)
+
+
+def test_end_of_sequence_token_finishes_with_stop(engine):
+    with torch.no_grad():
+        first = int(engine.model(torch.tensor([_ids("abc")])).logits[0, -1].argmax())
+    engine.eos_ids = {first}
+    out = wait_for(engine, GenRequest(_ids("abc"), max_tokens=5, temperature=0))
+    assert (out.text, out.finish_reason, out.completion_tokens) == ("", "stop", 0)
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(engine):
+    def sample(seed):
+        return wait_for(engine, GenRequest(_ids("abc"), max_tokens=16, temperature=1.0, top_p=0.9, seed=seed)).text
+
+    assert sample(1) == sample(1) and sample(1) != sample(2)
+
+
+def test_cancelled_request_leaves_the_batch_and_others_finish(engine):
+    parts: list[Event] = []
+    seq = engine.submit(GenRequest(_ids("abc"), max_tokens=1000, temperature=0), parts.append)
+    while not parts:
+        threading.Event().wait(0.01)
+    seq.cancel()
+    out = wait_for(engine, GenRequest(_ids("def"), max_tokens=5, temperature=0))
+    assert out.completion_tokens == 5 and not any(p.finish_reason for p in parts)
+
+
+def test_a_failed_forward_fails_its_requests_and_the_engine_keeps_serving(engine, monkeypatch):
+    real = engine._forward
+    calls = {"n": 0}
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device lost")
+        return real(*args)
+
+    monkeypatch.setattr(engine, "_forward", flaky)
+    failed = wait_for(engine, GenRequest(_ids("abc"), max_tokens=5, temperature=0))
+    assert failed.error == "generation failed: RuntimeError: device lost"
+    assert wait_for(engine, GenRequest(_ids("abc"), max_tokens=5, temperature=0)).completion_tokens == 5
+
+
+def test_engine_calls_run_between_steps_and_return_values(engine):
+    assert engine.call(lambda: 41 + 1).result(10) == 42
+    with pytest.raises(ValueError):
+        engine.call(lambda: int("x")).result(10)

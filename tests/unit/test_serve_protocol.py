@@ -1,0 +1,75 @@
+import pickle
+
+import pytest
+
+from raylora.serve.protocol import ApiError, chunk, parse_body, parse_chat, parse_completion, response, usage
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_full_chat_request_parses():
+    gen = parse_chat({**CHAT, "messages": [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                      "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "stop": "x", "seed": 3, "stream": True,
+                      "stream_options": {"include_usage": True}, "n": 1, "frequency_penalty": 0, "user": "u"})  # fmt: skip
+    assert gen.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert (gen.max_tokens, gen.temperature, gen.top_p, gen.stop, gen.seed) == (7, 0.0, 0.5, ("x",), 3)
+    assert gen.stream and gen.include_usage
+
+
+def test_completion_prompt_may_be_a_list_of_one():
+    assert parse_completion({"model": "m", "prompt": ["hello"]}).prompt == "hello"
+
+
+@pytest.mark.parametrize(
+    "change, param, code",
+    [
+        ({"model": 5}, "model", "invalid_type"),
+        ({"messages": []}, "messages", None),
+        ({"messages": [{"role": "user", "content": 1}]}, "messages[0].content", None),
+        ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0]", "unrecognized_argument"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"max_tokens": True}, "max_tokens", "invalid_type"),
+        ({"temperature": 2.5}, "temperature", "invalid_value"),
+        ({"temperature": float("nan")}, "temperature", "invalid_type"),
+        ({"top_p": 0}, "top_p", None),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+        ({"stream": "yes"}, "stream", "invalid_type"),
+        ({"n": 3}, "n", "unsupported_value"),
+        ({"logprobs": True}, "logprobs", "unsupported_value"),
+        ({"whatever": 1}, "whatever", "unrecognized_argument"),
+    ],
+)
+def test_each_bad_field_is_named(change, param, code):
+    with pytest.raises(ApiError) as e:
+        parse_chat({**CHAT, **change})
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code)
+
+
+def test_bodies_that_are_not_json_objects_are_400():
+    for raw in (b"{", b"\xff\xfe", b"[1]", b"[" * 100000):
+        with pytest.raises(ApiError) as e:
+            parse_body(raw)
+        assert e.value.status == 400 and e.value.code == "invalid_json"
+
+
+def test_error_body_is_openais_shape_and_survives_pickling():
+    e = pickle.loads(pickle.dumps(ApiError(404, "no such model", "model", "model_not_found")))
+    assert e.body() == {"error": {"message": "no such model", "type": "not_found_error", "param": "model",
+                                  "code": "model_not_found"}}  # fmt: skip
+    assert ApiError(401, "x").body()["error"]["type"] == "authentication_error"
+    assert ApiError(503, "x").body()["error"]["type"] == "server_error"
+
+
+def test_response_and_chunk_shapes():
+    r = response("id1", "m", True, "hi", "stop", usage(3, 1))
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    first = chunk("id1", "m", True, "h", None, first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "h"}
+    assert chunk("id1", "m", False, "x", "length")["choices"][0] == {
+        "index": 0,
+        "text": "x",
+        "finish_reason": "length",
+        "logprobs": None,
+    }
