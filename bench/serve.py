@@ -35,6 +35,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import requests  # noqa: E402
+
 from data import SHARED, ray_rss_mb  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -50,11 +51,12 @@ def load(url: str, model, clients: int, n: int, max_tokens: int = 64) -> dict:
     qs = questions(n)
     lock = threading.Lock()
     latencies: list[float] = []
+    errors: list[Exception] = []
     tokens = [0]
     todo = list(range(n))
 
     def client() -> None:
-        session = requests.Session()
+        # A connection per request: a kept-alive one can be closed by the server between two requests.
         while True:
             with lock:
                 if not todo:
@@ -63,8 +65,12 @@ def load(url: str, model, clients: int, n: int, max_tokens: int = 64) -> dict:
             name = model(i) if callable(model) else model
             body = {"model": name, "messages": qs[i], "max_tokens": max_tokens, "temperature": 0}
             started = time.monotonic()
-            r = session.post(url + "/v1/chat/completions", json=body, timeout=900)
-            r.raise_for_status()
+            try:
+                r = requests.post(url + "/v1/chat/completions", json=body, timeout=900)
+                r.raise_for_status()
+            except requests.RequestException as e:
+                errors.append(e)
+                return
             with lock:
                 latencies.append(time.monotonic() - started)
                 tokens[0] += r.json()["usage"]["completion_tokens"]
@@ -76,8 +82,17 @@ def load(url: str, model, clients: int, n: int, max_tokens: int = 64) -> dict:
     for t in threads:
         t.join()
     wall = time.monotonic() - started
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} requests failed, the first: {errors[0]}")
     q = statistics.quantiles(latencies, n=100)
-    return {"requests": n, "tokens": tokens[0], "wall_s": wall, "tok_s": tokens[0] / wall, "p50_s": q[49], "p99_s": q[98]}
+    return {
+        "requests": n,
+        "tokens": tokens[0],
+        "wall_s": wall,
+        "tok_s": tokens[0] / wall,
+        "p50_s": q[49],
+        "p99_s": q[98],
+    }
 
 
 class Peak:
@@ -197,7 +212,9 @@ def make_adapters(root: Path, count: int) -> list[str]:
         skeleton = AutoModelForCausalLM.from_config(config)
     names = []
     for i in range(count):
-        model = get_peft_model(skeleton, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        model = get_peft_model(
+            skeleton, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        )
         gen = torch.Generator().manual_seed(i)
         state = {k: torch.randn(p.shape, generator=gen) * 0.01 for k, p in model.named_parameters() if "lora_" in k}
         model.to_empty(device="cpu")

@@ -18,7 +18,6 @@ COMMANDS = {
 }
 NOT_YET = {
     "tune": "the Ray Tune sweep issue, after issue #4",
-    "export": "issue #5 (quantised serving and export)",
 }
 
 
@@ -60,13 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     from raylora.train.checkpoint import CheckpointError
     from raylora.train.fit import TrainingError
 
-    expected = (BackendError, ModelError, TrackingError, CheckpointError, TrainingError, ValueError, FileNotFoundError)
+    expected = (BackendError, ModelError, TrackingError, CheckpointError, TrainingError, ValueError, OSError)
 
     try:
         if args.command == "prepare":
             from raylora.data.pipeline import prepare
 
             prepare(cfg)
+        elif args.command == "export":
+            from raylora.export import export
+
+            export(cfg)
         elif args.command == "serve":
             from raylora.serve.launch import serve_forever, start
 

@@ -166,6 +166,18 @@ class ServeArgs:
 
 
 @dataclass
+class ExportArgs:
+    adapter: str | None = _f(None, help="adapter folder merged into the base (None: the base alone)")
+    quantization: str = _f(
+        "none",
+        help="none writes a merged Hugging Face folder; w8a8 / w8a8-smoothquant (serve.smoothquant_alpha, "
+        "serve.calibration_rows) write raylora's int8 folder",
+        choices=("none", "w8a8", "w8a8-smoothquant"),
+    )
+    output_dir: str = _f("outputs/export", help="folder written; it must not exist yet", nonempty=True)
+
+
+@dataclass
 class TrackingArgs:
     enabled: bool = _f(True, help="log to MLflow")
     uri: str | None = _f(None, help="MLflow tracking URI (None: sqlite file mlflow.db in the working folder)")
@@ -193,6 +205,7 @@ class JobConfig:
     train: TrainArgs = _f(help="training", factory=TrainArgs)
     tune: TuneArgs = _f(help="sweeps", factory=TuneArgs)
     serve: ServeArgs = _f(help="serving", factory=ServeArgs)
+    export: ExportArgs = _f(help="merged or quantised model folders", factory=ExportArgs)
     tracking: TrackingArgs = _f(help="MLflow", factory=TrackingArgs)
     backend: BackendArgs = _f(help="device", factory=BackendArgs)
 

@@ -5,6 +5,9 @@ Where model files come from (registry, GGUF cache, tokenizers) is ``raylora.mode
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -16,6 +19,7 @@ LORA_PRESETS = {
     "mlp": ["gate_proj", "up_proj", "down_proj"],
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INT8_MANIFEST = "raylora_int8.json"  # marks a folder written by ``raylora export`` with int8 weights
 
 
 def load_model(args: ModelArgs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -31,9 +35,28 @@ def load_model(args: ModelArgs) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     """
     if args.name_or_path in TINY:
         model = tiny_model(TINY[args.name_or_path])
+    elif (model_folder(args) / INT8_MANIFEST).is_file():
+        return load_int8_folder(model_folder(args), _DTYPES[args.dtype]), load_tokenizer(args)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_folder(args), dtype=_DTYPES[args.dtype])
     return model.to(_DTYPES[args.dtype]).eval(), load_tokenizer(args)
+
+
+def load_int8_folder(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """Rebuild a model exported with int8 weights: the same int8 layers, then the saved tensors (strictly)."""
+    from safetensors.torch import load_model as load_safetensors
+    from transformers import AutoConfig
+
+    from raylora.ops.int8 import quantize_model
+
+    manifest = json.loads((folder / INT8_MANIFEST).read_text())
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    quantize_model(model, "w8a8")
+    for name in manifest["smoothed"]:
+        layer = model.get_submodule(name)
+        layer.register_buffer("smooth", torch.ones(layer.in_features))
+    load_safetensors(model, str(folder / "model.safetensors"), strict=True)
+    return model.eval()
 
 
 def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:

@@ -111,6 +111,15 @@ def sample_conversations(data: DataArgs, n: int, skip: int = 0) -> list[list[dic
     return out
 
 
+def sample_token_ids(data: DataArgs, tokenizer, n: int, skip: int = 0) -> list[list[int]]:
+    """Token ids of :func:`sample_conversations` rendered with ``data.template`` (calibration, perplexity)."""
+    from raylora.data.encode import Encoder
+
+    encoder = Encoder(tokenizer_spec(tokenizer, data.template), data.cutoff_len, "tail", False)
+    texts = [encoder.render(m) for m in sample_conversations(data, n, skip)]
+    return [tokenizer(t, add_special_tokens=False).input_ids[: data.cutoff_len] for t in texts]
+
+
 def build_dataset(
     cfg: JobConfig,
     side_dir: Path,

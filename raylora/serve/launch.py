@@ -34,13 +34,16 @@ def check_serve(cfg: JobConfig) -> list[str]:
 
 def _model_problems(cfg: JobConfig) -> list[str]:
     from raylora.model_files import TINY, ModelError, model_folder
+    from raylora.models import INT8_MANIFEST
 
     if cfg.model.name_or_path in TINY:
         return []
     try:
-        model_folder(cfg.model)
+        folder = model_folder(cfg.model)
     except ModelError as e:
         return [str(e)]
+    if (folder / INT8_MANIFEST).is_file() and cfg.serve.quantization != "none":
+        return [f"model.name_or_path={folder} is already int8 (raylora export); set serve.quantization=none"]
     return []
 
 

@@ -38,26 +38,10 @@ def load_serving_model(cfg: JobConfig):
     model, tokenizer = load_model(cfg.model)
     summary: dict = {}
     if cfg.serve.quantization != "none":
-        from raylora.ops.quant import quantize_model
+        from raylora.export import quantize
 
-        calibration = None
-        if cfg.serve.quantization == "w8a8-smoothquant":
-            calibration = calibration_ids(cfg, tokenizer)
-        summary = quantize_model(model, cfg.serve.quantization, calibration, cfg.serve.smoothquant_alpha)
+        summary = quantize(model, tokenizer, cfg, cfg.serve.quantization)
     return model.to(resolve_backend(cfg.backend).torch_device()), tokenizer, summary
-
-
-def calibration_ids(cfg: JobConfig, tokenizer) -> list[torch.Tensor]:
-    """Token ids of the first ``serve.calibration_rows`` conversations of ``data.sources``, rendered for chat."""
-    from raylora.data.encode import Encoder, tokenizer_spec
-    from raylora.data.pipeline import sample_conversations
-
-    if not cfg.data.sources:
-        raise ValueError("serve.quantization=w8a8-smoothquant calibrates on data.sources, which is empty")
-    encoder = Encoder(tokenizer_spec(tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
-    rows = sample_conversations(cfg.data, cfg.serve.calibration_rows)
-    texts = [encoder.render(m) for m in rows]
-    return [torch.tensor(tokenizer(t, add_special_tokens=False).input_ids[: cfg.data.cutoff_len]) for t in texts]
 
 
 class _Held:
@@ -126,7 +110,7 @@ class LLMServer:
             model = PeftModel.from_pretrained(model, str(path), adapter_name=name)
         self.engine.model = model.eval()
         if self.cfg.serve.adapter_bits == 4:
-            from raylora.ops.quant import quantize_adapter
+            from raylora.ops.int4 import quantize_adapter
 
             quantize_adapter(model, name, self.cfg.serve.adapter_group_size)
         log.info("adapter %s loaded from %s", name, path)

@@ -14,7 +14,7 @@ def test_help_lists_every_command():
         assert name in out and COMMANDS[name][:30] in out
 
 
-@pytest.mark.parametrize("command", ["tune", "export"])
+@pytest.mark.parametrize("command", ["tune"])
 def test_commands_not_landed_say_so_and_fail(command, capsys):
     assert main([command, "configs/tiny_lora_cpu.yaml"]) == 2
     err = capsys.readouterr().err

@@ -1,0 +1,88 @@
+"""``raylora export``: a merged Hugging Face folder, or raylora's int8 (W8A8) folder, from a base and an adapter.
+
+The int8 folder holds ``model.safetensors`` (int8 weights, their scales, SmoothQuant input multipliers),
+the model's ``config.json``, the tokenizer and ``raylora_int8.json``; ``model.name_or_path`` may point at it
+(``raylora.models.load_model`` rebuilds the int8 layers), so ``raylora serve`` serves it without quantising again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from raylora.config import JobConfig, to_dict
+from raylora.models import INT8_MANIFEST, load_model
+
+
+def quantize(model, tokenizer, cfg: JobConfig, method: str) -> dict:
+    """Quantise ``model`` in place (``w8a8`` or ``w8a8-smoothquant``, alpha ``serve.smoothquant_alpha``).
+
+    SmoothQuant calibrates on the first ``serve.calibration_rows`` conversations of ``data.sources``,
+    rendered with the chat template as at serving time.
+    Returns:
+        :func:`raylora.ops.int8.quantize_model`'s summary.
+    Raises:
+        ValueError: SmoothQuant without data.sources.
+    """
+    from raylora.data.pipeline import sample_token_ids
+    from raylora.ops.int8 import quantize_model
+
+    calibration = None
+    if method == "w8a8-smoothquant":
+        if not cfg.data.sources:
+            raise ValueError(f"quantization {method} calibrates on data.sources, which is empty: name a data file")
+        ids = sample_token_ids(cfg.data, tokenizer, cfg.serve.calibration_rows)
+        calibration = [torch.tensor(x) for x in ids if x]
+    return quantize_model(model, method, calibration, cfg.serve.smoothquant_alpha)
+
+
+def export(cfg: JobConfig, log=print) -> Path:
+    """Write ``export.output_dir``; returns it.
+
+    Raises:
+        FileExistsError: the output folder exists (nothing is overwritten).
+        ValueError: bad quantisation settings; ModelError: the base model or adapter is missing.
+    """
+    out = Path(cfg.export.output_dir)
+    if out.exists():
+        raise FileExistsError(f"export.output_dir={out} exists; remove it or choose another folder")
+    model, tokenizer = load_model(cfg.model)
+    if cfg.export.adapter:
+        from peft import PeftModel
+
+        if not (Path(cfg.export.adapter) / "adapter_config.json").is_file():
+            raise ValueError(
+                f"export.adapter={cfg.export.adapter} is not a peft adapter folder (no adapter_config.json)"
+            )
+        model = PeftModel.from_pretrained(model, cfg.export.adapter).merge_and_unload()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        manifest = {
+            "base": cfg.model.name_or_path,
+            "adapter": cfg.export.adapter,
+            "quantization": cfg.export.quantization,
+        }
+        if cfg.export.quantization == "none":
+            model.save_pretrained(stage)
+        else:
+            from safetensors.torch import save_model
+
+            summary = quantize(model, tokenizer, cfg, cfg.export.quantization)
+            model.config.save_pretrained(stage)
+            save_model(model, str(stage / "model.safetensors"))  # handles the tied head's shared int8 tensor
+            smoothed = sorted(n.removesuffix(".smooth") for n, _ in model.named_buffers() if n.endswith(".smooth"))
+            manifest |= {"summary": summary, "smoothed": smoothed}
+            (stage / INT8_MANIFEST).write_text(json.dumps(manifest, indent=1))
+        tokenizer.save_pretrained(stage)
+        (stage / "raylora_export.json").write_text(json.dumps({**manifest, "config": to_dict(cfg)}, indent=1))
+        stage.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    log(f"raylora export: wrote {out} ({cfg.export.quantization}, {size:.0f} MiB)")
+    return out

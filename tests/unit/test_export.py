@@ -1,0 +1,53 @@
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from raylora.config import ModelArgs, from_dict
+from raylora.export import export, quantize
+from raylora.models import load_model, tiny_model
+
+IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 250, 11]])
+
+
+@pytest.fixture
+def adapter(tmp_path):
+    model = get_peft_model(
+        tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    model.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "adapter"
+
+
+def _cfg(tmp_path, adapter, quantization):
+    return from_dict({
+        "model": {"name_or_path": "tiny-llama"},
+        "data": {"sources": [{"path": "data/raylora_identity.jsonl"}], "cutoff_len": 128},
+        "serve": {"calibration_rows": 8},
+        "export": {"adapter": str(adapter), "quantization": quantization, "output_dir": str(tmp_path / quantization)},
+    })  # fmt: skip
+
+
+def test_merged_export_is_a_plain_hugging_face_folder_with_the_adapters_logits(tmp_path, adapter):
+    out = export(_cfg(tmp_path, adapter, "none"), log=lambda _: None)
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    reference = PeftModel.from_pretrained(tiny_model("llama"), str(adapter)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=1e-5)
+    assert (out / "raylora_export.json").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_int8_export_reloads_to_the_same_int8_model(tmp_path, adapter, root, monkeypatch):
+    monkeypatch.chdir(root)
+    cfg = _cfg(tmp_path, adapter, "w8a8-smoothquant")
+    out = export(cfg, log=lambda _: None)
+    reloaded, _ = load_model(ModelArgs(name_or_path=str(out)))
+    expected = PeftModel.from_pretrained(tiny_model("llama"), str(adapter)).merge_and_unload().eval()
+    tokenizer = load_model(ModelArgs(name_or_path="tiny-llama"))[1]
+    summary = quantize(expected, tokenizer, cfg, "w8a8-smoothquant")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(IDS).logits, expected(IDS).logits, atol=1e-6, rtol=1e-6)
+    assert summary["alpha"] == 0.5 and (out / "model.safetensors").stat().st_size < 0.4 * summary["bytes_before"]
+    assert any(n.endswith(".smooth") for n, _ in reloaded.named_buffers())
+    with pytest.raises(FileExistsError, match="exists"):
+        export(cfg, log=lambda _: None)

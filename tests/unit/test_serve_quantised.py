@@ -1,0 +1,51 @@
+"""Quantised serving on a tiny model: the int8 base and a 4-bit adapter through the engine."""
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from raylora.config import from_dict
+from raylora.ops.int4 import quantize_adapter
+from raylora.ops.int8 import Int8Linear
+from raylora.serve.engine import Engine, GenRequest, wait_for
+from raylora.serve.replica import load_serving_model
+
+
+def test_smoothquant_base_serves_answers_close_to_fp32(root, monkeypatch):
+    monkeypatch.chdir(root)
+    cfg = from_dict({
+        "model": {"name_or_path": "tiny-llama"},
+        "data": {"sources": [{"path": "data/raylora_identity.jsonl"}], "cutoff_len": 128},
+        "serve": {"quantization": "w8a8-smoothquant", "calibration_rows": 8},
+        "backend": {"device": "cpu"},
+    })  # fmt: skip
+    model, tokenizer, summary = load_serving_model(cfg)
+    assert summary["method"] == "w8a8-smoothquant" and summary["ratio"] < 0.35
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 7 + 1
+    fp32, _, _ = load_serving_model(from_dict({"model": {"name_or_path": "tiny-llama"}, "backend": {"device": "cpu"}}))
+    ids = torch.tensor([tokenizer("Who are you?").input_ids])
+    with torch.no_grad():
+        a, b = model(ids).logits, fp32(ids).logits
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+    engine = Engine(model, tokenizer, 4, 0)
+    out = wait_for(engine, GenRequest(ids[0].tolist(), max_tokens=6, temperature=0))
+    engine.stop()
+    assert out.completion_tokens == 6
+
+
+def test_a_4bit_adapter_answers_like_the_full_precision_one(tmp_path):
+    from raylora.model_files import tiny_tokenizer
+    from raylora.models import tiny_model
+
+    peft = get_peft_model(
+        tiny_model("llama"), LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    peft.save_pretrained(tmp_path / "a")
+    full = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "a"), adapter_name="a").eval()
+    small = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "a"), adapter_name="a").eval()
+    held = quantize_adapter(small, "a", 128)
+    lora_bytes = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "lora_" in n)
+    assert held < 0.3 * lora_bytes
+    ids = torch.tensor([tiny_tokenizer()("hello there").input_ids])
+    with torch.no_grad():
+        a, b = small(ids, adapter_names=["a"]).logits, full(ids).logits
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
