@@ -37,6 +37,8 @@ demo: install
 bench: install
 	$(PIP) -e ".[bench]"
 	$(PY) bench/data.py
+	$(PY) bench/quant.py
+	$(PY) bench/serve.py
 
 lint: install
 	$(VENV)/bin/ruff check raylora tests jobs

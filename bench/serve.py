@@ -182,7 +182,9 @@ def run_transformers_serve(dtype: str, clients: int, n: int) -> dict:
 
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"transformers serve did not start (exit code {proc.poll()})")
             try:
                 if requests.get(url + "/health", timeout=2).ok:
                     break
@@ -265,13 +267,18 @@ def main() -> None:
     args = p.parse_args()
     n, c = args.requests, args.clients
 
-    results = {"on": run_ours(_config(args.dtype, 16), c, n)}
-    results["off"] = run_ours(_config(args.dtype, 1), c, max(16, n // 4))
+    runs = {"on": lambda: run_ours(_config(args.dtype, 16), c, n),
+            "off": lambda: run_ours(_config(args.dtype, 1), c, max(16, n // 4))}  # fmt: skip
     if args.quantization != "none":
-        results["quant"] = run_ours(_config(args.dtype, 16, args.quantization), c, n)
+        runs["quant"] = lambda: run_ours(_config(args.dtype, 16, args.quantization), c, n)
     if not args.skip_baseline:
-        results["hf"] = run_transformers_serve(args.dtype, c, n)
+        runs["hf"] = lambda: run_transformers_serve(args.dtype, c, n)
+    results = {}
+    for key, run in runs.items():
+        results[key] = run()
+        print(f"RESULT {key} {json.dumps(results[key])}", flush=True)
     lora = multi_lora(args.dtype, c, n)
+    print(f"RESULT lora {json.dumps(lora)}", flush=True)
 
     print(f"\n{c} concurrent clients, 64-token answers, SmolLM2-135M-Instruct, {args.dtype}\n")
     print("| server | generated tok/s | p50 s | p99 s | peak memory MiB | requests |\n|---|---|---|---|---|---|")

@@ -92,6 +92,8 @@ def gguf_to_cache(gguf: Path, folder: Path) -> Path:
     # A GGUF-loaded model is marked quantised and refuses save_pretrained: write config and weights ourselves.
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    # Servers that read config.json alone (vLLM, `transformers serve`) pick the model class from here.
+    config["architectures"] = [type(model).__name__]
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)

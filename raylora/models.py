@@ -66,6 +66,9 @@ def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
     """
     from transformers import LlamaConfig, Qwen2Config
 
+    if kind not in ("llama", "qwen2"):
+        raise ValueError(f"tiny_model: kind {kind!r}; expected 'llama' or 'qwen2'")
+
     shape = dict(
         vocab_size=len(tiny_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, initializer_range=0.1,

@@ -178,7 +178,8 @@ class Ingress:
         gen = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
         adapter = "" if gen.model == self.base else await asyncio.to_thread(self._known_adapter, gen.model)
         payload = {"messages": gen.messages, "prompt": gen.prompt, "max_tokens": gen.max_tokens,
-                   "temperature": gen.temperature, "top_p": gen.top_p, "stop": list(gen.stop), "seed": gen.seed}  # fmt: skip
+                   "temperature": gen.temperature, "top_p": gen.top_p, "stop": list(gen.stop), "seed": gen.seed,
+                   "stream": gen.stream}  # fmt: skip
         stream = self.llm.options(stream=True, multiplexed_model_id=adapter).generate.remote(payload)
         rid = protocol.completion_id(chat)
         first = await _next_event(stream)  # errors before the first token still get a proper status code

@@ -53,6 +53,17 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
 
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def joined(events: list[Event]) -> Event:
+    """Consecutive events of one request as one: their text, and the last one's ending."""
+    last = events[-1]
+    text = "".join(e.text for e in events)
+    return Event(text, last.finish_reason, last.prompt_tokens, last.completion_tokens, last.error)
+
 
 @dataclass
 class _Seq:
@@ -301,7 +312,7 @@ def wait_for(engine: Engine, req: GenRequest, timeout_s: float = 600) -> Event:
 
     def emit(event: Event) -> None:
         parts.append(event)
-        if event.finish_reason or event.error:
+        if event.final:
             done.set()
 
     engine.submit(req, emit)

@@ -19,8 +19,9 @@ import torch
 from ray import serve
 
 from raylora.config import JobConfig, from_dict
+from raylora.ops.lora import stack_adapters
 from raylora.serve.adapters import AdapterError, check_compatible, fetch_registered, local_adapter
-from raylora.serve.engine import Engine, Event, GenRequest
+from raylora.serve.engine import Engine, Event, GenRequest, joined
 from raylora.serve.protocol import ApiError
 
 log = logging.getLogger("ray.serve")
@@ -103,7 +104,12 @@ class LLMServer:
         model = self.engine.model
         if hasattr(model, "peft_config") and name in model.peft_config:
             return
-        check_compatible(path, self.base, self.cfg.serve.max_lora_rank)
+        config = check_compatible(path, self.base, self.cfg.serve.max_lora_rank)
+        if config.get("use_dora") and self.quantization:
+            # DoRA reads the base weight as floats; on int8 weights its answers would be silently wrong.
+            raise AdapterError(422, "adapter_incompatible", f"adapter {name!r} is DoRA, which cannot run on the "
+                               f"int8 base (serve.quantization={self.cfg.serve.quantization}); serve it with "
+                               "serve.quantization=none")  # fmt: skip
         if hasattr(model, "peft_config"):
             model.load_adapter(str(path), adapter_name=name)
         else:
@@ -113,6 +119,7 @@ class LLMServer:
             from raylora.ops.int4 import quantize_adapter
 
             quantize_adapter(model, name, self.cfg.serve.adapter_group_size)
+        stack_adapters(model)
         log.info("adapter %s loaded from %s", name, path)
 
     def retire(self, name: str) -> None:
@@ -136,6 +143,7 @@ class LLMServer:
             return
         if hasattr(model, "peft_config") and name in model.peft_config:
             model.delete_adapter(name)
+            stack_adapters(model)
             log.info("adapter %s unloaded", name)
 
     def render(self, messages: list[dict[str, str]] | None, prompt: str | None) -> list[int]:
@@ -151,7 +159,8 @@ class LLMServer:
 
         Args:
             request: ``messages`` or ``prompt``, ``max_tokens`` (None: serve.max_tokens), ``temperature``,
-                ``top_p``, ``stop``, ``seed``; the adapter is the multiplexed model id (empty: the base).
+                ``top_p``, ``stop``, ``seed``, ``stream`` (False: one event, the whole answer); the adapter is
+                the multiplexed model id (empty: the base).
         Raises:
             ApiError: 400 when the prompt plus max_tokens exceeds the context; adapter errors with their status.
         """
@@ -172,9 +181,12 @@ class LLMServer:
         seq = self.engine.submit(req, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))
         try:
             while True:
-                event = await queue.get()
-                yield asdict(event)
-                if event.finish_reason or event.error:
+                # One message per burst of tokens (per answer when not streaming): each crosses processes.
+                events = [await queue.get()]
+                while not events[-1].final and (not request["stream"] or not queue.empty()):
+                    events.append(await queue.get())
+                yield asdict(joined(events))
+                if events[-1].final:
                     return
         finally:
             seq.cancel()

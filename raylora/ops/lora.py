@@ -1,0 +1,94 @@
+"""Mixed-adapter LoRA for a batch: one gathered batched matmul per layer, whatever the number of adapters.
+
+peft's mixed-batch forward (``adapter_names``, the reference this op is tested against) runs, in every LoRA
+linear, an index, two matmuls and a scatter for each distinct adapter in the batch; with 8 adapters in a
+16-row decode batch those small ops cost about a quarter of the throughput on 2 CPU cores. Here each layer
+keeps its adapters stacked (slot 0 is the base model: zeros), every row gathers its adapter's factors, and
+two ``bmm`` calls apply them all.
+
+Only plain LoRA on ``nn.Linear`` is stacked; a layer holding DoRA, a LoRA bias or int4-stored factors keeps
+peft's own path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+BASE = "__base__"
+
+
+@dataclass
+class _Stack:
+    slots: dict[str, int]  # adapter name -> index into a and b; the base model is 0
+    a: torch.Tensor  # (adapters + 1, in_features, rank): lora_A transposed, zero-padded to the largest rank
+    b: torch.Tensor  # (adapters + 1, rank, out_features): lora_B transposed, times the adapter's scaling
+
+
+def stack_adapters(model: nn.Module) -> int:
+    """(Re)build the stacks of every plain-LoRA linear in a peft ``model``; call after loading or deleting adapters.
+
+    Returns:
+        The number of layers that now use the stacked forward.
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from raylora.ops.int4 import Int4Linear
+
+    count = 0
+    for layer in model.modules():
+        if not isinstance(layer, LoraLinear):
+            continue
+        names = [n for n in layer.lora_A if n in layer.lora_B]
+        plain = all(
+            n not in layer.lora_variant
+            and not isinstance(layer.lora_A[n], Int4Linear)
+            and not isinstance(layer.lora_B[n], Int4Linear)
+            and layer.lora_B[n].bias is None
+            for n in names
+        )
+        if not plain or not names:
+            layer.__dict__.pop("_mixed_batch_forward", None)
+            continue
+        layer._raylora_stack = _build(layer, names)
+        layer._mixed_batch_forward = _stacked_forward.__get__(layer)
+        count += 1
+    return count
+
+
+def _build(layer, names: list[str]) -> _Stack:
+    rank = max(layer.lora_A[n].weight.shape[0] for n in names)
+    ref = layer.lora_A[names[0]].weight
+    a = ref.new_zeros(len(names) + 1, layer.in_features, rank)
+    b = ref.new_zeros(len(names) + 1, rank, layer.out_features)
+    for i, n in enumerate(names, start=1):
+        wa, wb = layer.lora_A[n].weight.detach(), layer.lora_B[n].weight.detach()
+        a[i, :, : wa.shape[0]] = wa.T
+        b[i, : wb.shape[1], :] = (wb * layer.scaling[n]).T
+    return _Stack({n: i for i, n in enumerate(names, start=1)}, a, b)
+
+
+def _stacked_forward(self, x: torch.Tensor, *args, adapter_names: list[str], **kwargs) -> torch.Tensor:
+    """``base(x) + x A_i B_i s_i`` per row ``i``; ``x`` is (batch, tokens, in_features)."""
+    for key in ("alora_offsets",):
+        kwargs.pop(key, None)
+    result = self.base_layer(x, *args, **kwargs)
+    stack: _Stack = self._raylora_stack
+    index = torch.tensor([stack.slots.get(n, 0) for n in adapter_names], device=x.device)
+    lora = torch.bmm(torch.bmm(x.to(stack.a.dtype), stack.a[index]), stack.b[index])
+    return result + lora.to(result.dtype)
+
+
+def mixed_batch_reference(model: nn.Module, input_ids: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
+    """Logits of each row alone with its adapter (peft's ``set_adapter`` path, or the base model), stacked."""
+    rows = []
+    for row, name in zip(input_ids, adapter_names, strict=True):
+        if name == BASE:
+            with model.disable_adapter():
+                rows.append(model(row[None]).logits)
+        else:
+            model.set_adapter(name)
+            rows.append(model(row[None]).logits)
+    return torch.cat(rows)
