@@ -38,3 +38,21 @@ def test_smollm2_is_converted_once_then_loaded_from_the_cache(monkeypatch):
         24,
     )
     assert "Paris" in answer
+
+
+def test_the_shipped_serving_config_quantises_smollm2_and_still_answers(root, monkeypatch):
+    from raylora.config import load_config
+    from raylora.data.encode import Encoder, tokenizer_spec
+    from raylora.serve.engine import Engine, GenRequest, wait_for
+    from raylora.serve.replica import load_serving_model
+
+    monkeypatch.chdir(root)
+    model, tokenizer, summary = load_serving_model(load_config("configs/smollm2_serve_cpu.yaml"))
+    assert summary["method"] == "w8a8-smoothquant" and summary["ratio"] <= 0.3
+    encoder = Encoder(tokenizer_spec(tokenizer, "auto"), 1024, "tail", False)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer(encoder.render(question, add_generation_prompt=True), add_special_tokens=False).input_ids
+    engine = Engine(model, tokenizer, 4, 0)
+    answer = wait_for(engine, GenRequest(ids, max_tokens=16, temperature=0))
+    engine.stop()
+    assert "Paris" in answer.text
