@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
@@ -49,10 +50,14 @@ class _Held:
     """What the multiplexer keeps per adapter; Serve calls ``__del__`` when its LRU evicts it."""
 
     def __init__(self, server: LLMServer, name: str):
-        self.server, self.name = server, name
+        self.server, self.name, self.evicted = server, name, False
 
     def __del__(self):
-        self.server.retire(self.name)
+        # Serve calls this on eviction, and Python calls it again when the object is collected, by which
+        # time the adapter may be loaded anew for the LRU: only the first call retires it.
+        if not self.evicted:
+            self.evicted = True
+            self.server.retire(self.name)
 
 
 class LLMServer:
@@ -73,6 +78,7 @@ class LLMServer:
         self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000)
         self.root = Path(cfg.serve.adapter_root).resolve()
         self._retired: set[str] = set()
+        self._pinned: Counter[str] = Counter()  # requests between loading their adapter and reaching the engine
         self._lock = threading.Lock()
 
         async def adapter(name: str) -> _Held:  # Serve keeps its LRU on a function, not on a bound method
@@ -130,17 +136,17 @@ class LLMServer:
 
     def _sweep(self) -> None:
         with self._lock:
-            idle = self._retired - self.engine.adapters_in_use()
+            idle = self._retired - self.engine.adapters_in_use() - set(+self._pinned)
             self._retired -= idle
         for name in idle:
             self.engine.call(lambda name=name: self._detach(name))
 
     def _detach(self, name: str) -> None:
         model = self.engine.model
-        if name in self.engine.adapters_in_use():
-            with self._lock:
+        with self._lock:
+            if name in self.engine.adapters_in_use() or self._pinned[name]:
                 self._retired.add(name)
-            return
+                return
         if hasattr(model, "peft_config") and name in model.peft_config:
             model.delete_adapter(name)
             stack_adapters(model)
@@ -165,20 +171,26 @@ class LLMServer:
             ApiError: 400 when the prompt plus max_tokens exceeds the context; adapter errors with their status.
         """
         adapter = serve.get_multiplexed_model_id() or None
-        if adapter:
-            await self._adapter(adapter)
-        ids = self.render(request["messages"], request["prompt"])
-        max_tokens = request["max_tokens"] or min(self.cfg.serve.max_tokens, self.engine.max_context - len(ids))
-        if len(ids) + max_tokens > self.engine.max_context:
-            raise ApiError(
-                400, f"this model's context is {self.engine.max_context} tokens; the prompt has {len(ids)} and "
-                f"max_tokens is {max_tokens}: shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded",
-            )  # fmt: skip
-        req = GenRequest(ids, adapter, max_tokens, request["temperature"], request["top_p"], tuple(request["stop"]),
-                         request["seed"])  # fmt: skip
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
-        seq = self.engine.submit(req, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))
+        with self._lock:
+            self._pinned[adapter] += 1
+        try:
+            if adapter:
+                await self._adapter(adapter)
+            ids = self.render(request["messages"], request["prompt"])
+            max_tokens = request["max_tokens"] or min(self.cfg.serve.max_tokens, self.engine.max_context - len(ids))
+            if len(ids) + max_tokens > self.engine.max_context:
+                raise ApiError(
+                    400, f"this model's context is {self.engine.max_context} tokens; the prompt has {len(ids)} and "
+                    f"max_tokens is {max_tokens}: shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded",
+                )  # fmt: skip
+            req = GenRequest(ids, adapter, max_tokens, request["temperature"], request["top_p"], tuple(request["stop"]),
+                             request["seed"])  # fmt: skip
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[Event] = asyncio.Queue()
+            seq = self.engine.submit(req, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))
+        finally:
+            with self._lock:
+                self._pinned[adapter] -= 1
         try:
             while True:
                 # One message per burst of tokens (per answer when not streaming): each crosses processes.
