@@ -86,9 +86,10 @@ class Engine:
         tokenizer: its tokenizer (decoding, end-of-sequence ids).
         max_batch_size: sequences decoded together; 1 turns batching off.
         batch_wait_s: how long an idle engine waits for more requests before starting a batch.
+        threads: torch intra-op threads of the engine thread (None: torch's default).
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int, batch_wait_s: float):
+    def __init__(self, model, tokenizer, max_batch_size: int, batch_wait_s: float, threads: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -105,6 +106,7 @@ class Engine:
         self._mask: torch.Tensor | None = None  # (batch, cache length), 1 = real token
         self._next: torch.Tensor | None = None  # (batch, 1) the token each sequence feeds next
         self._stopping = False
+        self.threads = threads
         self.max_running = 0  # the largest batch decoded so far (tests, benchmarks)
         self._thread = threading.Thread(target=self._loop, name="raylora-engine", daemon=True)
         self._thread.start()
@@ -142,6 +144,8 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.threads:
+            torch.set_num_threads(self.threads)
         while True:
             with self._cv:
                 while not (self._running or self._waiting or self._calls or self._stopping):

@@ -75,7 +75,8 @@ class LLMServer:
         model, self.tokenizer, self.quantization = load_serving_model(cfg)
         self.base = model
         self.encoder = Encoder(tokenizer_spec(self.tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
-        self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000)
+        threads = cfg.serve.engine_threads or max(1, round(cfg.serve.cpus_per_replica))
+        self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000, threads)
         self.root = Path(cfg.serve.adapter_root).resolve()
         self._retired: set[str] = set()
         self._pinned: Counter[str] = Counter()  # requests between loading their adapter and reaching the engine
