@@ -40,7 +40,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
         DataError, TrackingError, BackendError: before any worker starts.
         TrainingError: the run failed or diverged.
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     out = Path(cfg.train.output_dir).resolve()
@@ -89,6 +89,9 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
             worker_runtime_env={"env_vars": env} if env else None,
         ),
         datasets=datasets,
+        # Ray splits every dataset equally across workers, dropping rows to do so: a small eval set could leave
+        # each worker none. Each worker reads the whole eval set instead (the token-weighted all-reduce is unchanged).
+        dataset_config=DataConfig(datasets_to_split=["train"]),
     )
     try:
         result = trainer.fit()
