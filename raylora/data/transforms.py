@@ -64,30 +64,32 @@ def encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_key
             kept.append(r)
         except RowError as e:
             rejects.append({**r, "reason": str(e)})
-    out: dict[str, list] = {"input_ids": [], "labels": [], "split": []}
-    examples = 0
-    for r, result in zip(kept, encoder.encode_many(conversations), strict=True):
-        if isinstance(result, RowError):
-            rejects.append({**r, "reason": str(result)})
+    encoded = encoder.encode_arrays(conversations)
+    take: list[int] = []
+    split: list[str] = []
+    for j, (r, error) in enumerate(zip(kept, encoded.errors, strict=True)):
+        if error is not None:
+            rejects.append({**r, "reason": str(error)})
             continue
         key = (r["source"], r["line"])
         if eval_keys is not None:
-            split = "eval" if key in eval_keys else "train"
+            row_split = "eval" if key in eval_keys else "train"
         else:
-            split = "eval" if unit_hash(data.seed, "split", *key) < data.eval_fraction else "train"
+            row_split = (
+                "eval" if data.eval_fraction and unit_hash(data.seed, "split", *key) < data.eval_fraction else "train"
+            )
         weight = plan[r["source"]]["weight"]
-        copies = int(weight) + (unit_hash(data.seed, "weight", *key) < weight - int(weight))
-        for _ in range(copies):
-            out["input_ids"].append(result.input_ids)
-            out["labels"].append(result.labels)
-            out["split"].append(split)
-        examples += copies
-    _write_side(Path(side_dir), rows, rejects, examples)
+        copies = int(weight) + (weight != int(weight) and unit_hash(data.seed, "weight", *key) < weight - int(weight))
+        take += [j] * copies
+        split += [row_split] * copies
+    _write_side(Path(side_dir), rows, rejects, len(take))
+    offsets = pa.array(encoded.offsets, pa.int32())
+    indices = pa.array(take, pa.int64())
     return pa.table(
         {
-            "input_ids": pa.array(out["input_ids"], pa.list_(pa.int32())),
-            "labels": pa.array(out["labels"], pa.list_(pa.int32())),
-            "split": pa.array(out["split"], pa.string()),
+            "input_ids": pa.ListArray.from_arrays(offsets, encoded.input_ids).take(indices),
+            "labels": pa.ListArray.from_arrays(offsets, encoded.labels).take(indices),
+            "split": pa.array(split, pa.string()),
         }
     )
 

@@ -68,3 +68,17 @@ def test_a_batch_keeps_rows_in_order(tok):
     rows = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(5)]
     results = Encoder(tokenizer_spec(tok, "auto"), 1024, "tail", False).encode_many(rows)
     assert [learned(tok, r) for r in results] == [f"a{i}<|im_end|>\n" for i in range(5)]
+
+
+def test_flat_batch_gives_rejected_rows_no_tokens_and_keeps_the_others_exact(tok):
+    ok = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    long = [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "y" * 10}]
+    encoder = Encoder(tokenizer_spec(tok, "auto"), 72, "reject", False)
+    batch = encoder.encode_arrays([ok, long, ok])
+    assert [e is None for e in batch.errors] == [True, False, True]
+    assert batch.offsets[2] == batch.offsets[1]
+    (alone,) = encoder.encode_many([ok])
+    for a, b in ((0, 1), (2, 3)):
+        span = slice(batch.offsets[a], batch.offsets[b])
+        assert batch.input_ids[span].tolist() == alone.input_ids
+        assert batch.labels[span].tolist() == alone.labels
