@@ -62,3 +62,30 @@ def test_the_shipped_serving_config_quantises_smollm2_and_still_answers(root, mo
     answer = wait_for(engine, GenRequest(ids, max_tokens=16, temperature=0))
     engine.stop()
     assert "Paris" in answer.text
+
+
+def test_piecewise_tokenisation_matches_the_smollm2_tokenizer_on_the_shared_samples():
+    import json
+
+    from raylora.data.encode import Encoder, tokenizer_spec
+    from raylora.data.formats import to_messages
+    from raylora.data.tokenize import PieceTokenizer
+    from raylora.model_files import load_tokenizer
+
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is not beside this checkout")
+    tokenizer = load_tokenizer(ModelArgs())
+    encoder = Encoder(tokenizer_spec(tokenizer, "auto"), 4096, "tail", False)
+    rows = [
+        r
+        for name in ("alpaca_en_demo.json", "alpaca_zh_demo.json")
+        for r in json.loads((SHARED_DATA / name).read_text())
+    ]
+    texts = [text for r in rows for text, _ in encoder.segments(to_messages(r, "alpaca", {}, {}))]
+    pieces = PieceTokenizer(encoder.backend)
+    assert pieces.split is not None
+    whole = [e.ids for e in encoder.backend.encode_batch(texts, add_special_tokens=False)]
+    assert [pieces(texts[i : i + 512]) for i in range(0, len(texts), 512)] == [
+        whole[i : i + 512] for i in range(0, len(texts), 512)
+    ]
+    assert len(pieces.memo) >= 3
