@@ -6,9 +6,12 @@ the tokenizer arrives as a :class:`~raylora.data.encode.TokenizerSpec` inside th
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,12 @@ from raylora.data.packing import pack_lengths
 
 @functools.lru_cache(maxsize=4)
 def _encoder(spec: str) -> tuple[DataArgs, Encoder]:
-    """One encoder per job spec per worker process: the tokenizer is rebuilt and the template compiled once."""
+    """One encoder per job spec per worker process: the tokenizer is rebuilt and the template compiled once.
+
+    A Ray task holds one CPU, so the Rust tokenizer runs on this thread alone unless the environment says
+    otherwise: its own thread pool in every task made each task slower on a busy node (bench/data.py).
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parsed = json.loads(spec)
     data = from_dict({"data": parsed["data"]}).data
     return data, Encoder(TokenizerSpec(**parsed["tokenizer"]), data.cutoff_len, data.truncation, data.train_on_prompt)
@@ -45,6 +53,26 @@ def unit_hash(*parts: Any) -> float:
 
 def encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_keys: frozenset | None) -> pa.Table:
     """Raw rows → encoded examples (repeated by weight, assigned to a split); rejects go to ``side_dir``."""
+    with gc_paused():
+        return _encode_batch(batch, spec, plan, side_dir, eval_keys)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cycle collector off for a block that allocates millions of acyclic objects (token id lists).
+
+    It otherwise rescans them over and over: about 8% of a batch's time on SmolLM2 rows (bench/data.py).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_keys: frozenset | None) -> pa.Table:
     data, encoder = _encoder(spec)
     rows = batch.to_pylist()
     rejects: list[dict] = []
