@@ -70,6 +70,11 @@ class DataArgs:
     output_dir: str = _f(
         "outputs/data", help="where prepare writes shards, manifest, rejects and summary", nonempty=True
     )
+    streaming: bool = _f(
+        False,
+        help="training runs the pipeline on the raw files as it reads them, writing no shards "
+        "(rejects and summary go to train.output_dir/data)",
+    )
 
 
 @dataclass

@@ -20,7 +20,7 @@ from raylora.config import DataArgs, JobConfig, to_dict
 from raylora.data.encode import TokenizerSpec, tokenizer_spec
 from raylora.data.formats import DEFAULT_COLUMNS, FORMATS, RowError, detect_format, to_messages
 from raylora.data.read import RawRowsDatasource, expand, first_row, iter_raw
-from raylora.data.transforms import encode_batch, pack_batch, unit_hash, worker_spec, write_shard
+from raylora.data.transforms import encode_batch, pack_batch, select_split, unit_hash, worker_spec, write_shard
 from raylora.model_files import load_tokenizer
 
 BLOCK_BYTES = 8 << 20
@@ -167,6 +167,41 @@ def build_dataset(
         pack_batch, batch_size=None, batch_format="pyarrow",
         fn_kwargs={"cutoff_len": cfg.data.cutoff_len, "packing": cfg.data.packing},
     )  # fmt: skip
+
+
+def stream(cfg: JobConfig, side_dir: Path) -> dict[str, Any]:
+    """The pipeline as lazy datasets that training reads on the fly: ``{"train": ..., "eval": ...}``.
+
+    Nothing is materialised: each pass over a dataset reads, encodes and packs the raw files again.
+    Rejects and per-batch counts go to ``side_dir``; :func:`finish_stream` adds them up afterwards.
+    Raises:
+        DataError: bad sources (checked before anything runs).
+    """
+    from raylora.cluster import ensure_ray
+
+    plan = plan_sources(cfg.data)
+    spec = tokenizer_spec(load_tokenizer(cfg.model), cfg.data.template)
+    for stale in ("rejects", "counts"):
+        shutil.rmtree(side_dir / stale, ignore_errors=True)
+    ensure_ray()
+    eval_keys = _eval_keys(cfg, plan) if cfg.data.eval_count else None
+    packs = build_dataset(cfg, side_dir, spec, plan, eval_keys)
+    splits = ["train", "eval"] if cfg.data.eval_count or cfg.data.eval_fraction else ["train"]
+    return {
+        split: packs.map_batches(select_split, batch_size=None, batch_format="pyarrow", fn_kwargs={"split": split})
+        for split in splits
+    }
+
+
+def finish_stream(side_dir: Path, data: DataArgs) -> dict[str, Any]:
+    """After streamed training: the rows read, kept and rejected, written to ``summary.json`` and ``rejects.jsonl``.
+
+    Raises:
+        DataError: rejected rows above ``data.max_reject_fraction``.
+    """
+    summary = gather_side(side_dir)
+    (side_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    return _check_rejects(summary, data, side_dir)
 
 
 def fingerprint(cfg: JobConfig, plan: dict[str, dict[str, Any]], spec: TokenizerSpec) -> dict[str, Any]:

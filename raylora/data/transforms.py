@@ -187,6 +187,11 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
     )
 
 
+def select_split(batch: pa.Table, split: str) -> pa.Table:
+    """The packs of one split, without the ``split`` column (training reads the pipeline's output directly)."""
+    return batch.filter(pc.equal(batch["split"], split)).drop_columns(["split"])
+
+
 def write_shard(batch: pa.Table, folder: str) -> pa.Table:
     """Write one batch of packs to ``<folder>/split=<split>/part-<key>.parquet``; return its counts.
 

@@ -1,7 +1,8 @@
 """``fit(cfg)``: the driver side of a training job, top to bottom.
 
-check the job → prepare the data → open the MLflow run → build and run the TorchTrainer →
-copy out the adapter, write the loss plot and the resolved config → close the MLflow run.
+check the job → prepare the data (or, with ``data.streaming``, build the lazy pipeline that training
+reads) → open the MLflow run → build and run the TorchTrainer → copy out the adapter, write the loss
+plot and the resolved config → close the MLflow run.
 Rerunning a job with the same ``train.output_dir`` resumes from its newest checkpoint, with any
 number of workers.
 """
@@ -18,7 +19,7 @@ import yaml
 from raylora.backends import worker_plan
 from raylora.cluster import ensure_ray
 from raylora.config import JobConfig, to_dict
-from raylora.data.pipeline import DataError, prepare
+from raylora.data.pipeline import DataError, finish_stream, prepare, stream
 from raylora.tracking import finish_run, start_run, tracking_uri
 from raylora.train.loop import train_worker
 from raylora.train.plot import plot_history
@@ -46,15 +47,16 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
-    data = prepare(cfg, log=log)
-    splits = data["splits"]
-    needed = cfg.train.num_workers * cfg.train.batch_size
-    if splits["train"]["packs"] < needed:
-        raise DataError(
-            f"the training data has {splits['train']['packs']} sequences, fewer than one micro-batch per worker "
-            f"(train.num_workers={cfg.train.num_workers} x train.batch_size={cfg.train.batch_size} = {needed}). "
-            "Add data, lower data.cutoff_len or turn off data.packing, or use fewer workers or a smaller batch."
-        )
+    streamed = stream(cfg, out / "data") if cfg.data.streaming else None
+    if streamed is None:
+        splits = prepare(cfg, log=log)["splits"]
+        needed = cfg.train.num_workers * cfg.train.batch_size
+        if splits["train"]["packs"] < needed:
+            raise DataError(
+                f"the training data has {splits['train']['packs']} sequences, fewer than one micro-batch per worker "
+                f"(train.num_workers={cfg.train.num_workers} x train.batch_size={cfg.train.batch_size} = {needed}). "
+                "Add data, lower data.cutoff_len or turn off data.packing, or use fewer workers or a smaller batch."
+            )
     ensure_ray()
     import ray
     import ray.data
@@ -68,9 +70,13 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
         )
     run_id = start_run(cfg.tracking, out.name, _flatten(to_dict(cfg)))
 
-    datasets = {"train": ray.data.read_parquet(splits["train"]["shards"])}
-    if splits["eval"]["packs"]:
-        datasets["eval"] = ray.data.read_parquet(splits["eval"]["shards"])
+    if streamed is not None:
+        datasets = streamed
+        log(f"streaming the data through the pipeline as training reads it; rejects and summary in {out / 'data'}")
+    else:
+        datasets = {"train": ray.data.read_parquet(splits["train"]["shards"])}
+        if splits["eval"]["packs"]:
+            datasets["eval"] = ray.data.read_parquet(splits["eval"]["shards"])
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={
@@ -108,6 +114,13 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
             f"(train.adam_eps={cfg.train.adam_eps}), or a LoRA rank/alpha that scales updates too far "
             f"(lora.rank={cfg.lora.rank}, lora.alpha={cfg.lora.alpha})."
         )
+    if streamed is not None:
+        try:
+            summary = finish_stream(out / "data", cfg.data)
+        except DataError:
+            finish_run(cfg.tracking, run_id, [], "FAILED")
+            raise
+        log(f"streamed {summary['rows_read']} rows: kept {summary['rows_kept']}, rejected {summary['rows_rejected']}")
     with result.checkpoint.as_directory() as folder:
         shutil.rmtree(out / "adapter", ignore_errors=True)
         shutil.copytree(Path(folder) / "adapter", out / "adapter")

@@ -138,3 +138,33 @@ def test_workers_that_leave_no_cpu_for_ray_data_are_refused(tmp_path):
 
     with pytest.raises(DataError, match="leaving less than 1 for Ray Data"):
         fit(job(tmp_path, "train.cpus_per_worker=1"), log=lambda s: None)
+
+
+def test_streaming_trains_from_the_raw_files_and_writes_no_shards(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "Say hi", "output": "Hi!"}\n{"instruction": "no answer"}\n')
+    sources = "data.sources=[{path: data/raylora_identity.jsonl}, {path: " + str(bad) + "}]"
+    cfg = job(tmp_path, "data.streaming=true", sources, "data.max_reject_fraction=0.1", "train.max_steps=6")
+    result = fit(cfg, log=lambda s: None)
+    assert result["steps"] == 6 and result["eval_loss"] is not None
+    assert not (tmp_path / "data").exists()
+    side = tmp_path / "run" / "data"
+    summary = json.loads((side / "summary.json").read_text())
+    assert (summary["rows_read"], summary["rows_rejected"]) == (26, 1)
+    (reject,) = [json.loads(line) for line in (side / "rejects.jsonl").read_text().splitlines()]
+    assert (reject["source"], reject["line"]) == (str(bad), 2) and "output" in reject["reason"]
+    run = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["data.streaming"] == "True"
+
+
+def test_streaming_fails_the_run_when_too_many_rows_are_rejected(tmp_path):
+    from raylora.data.pipeline import DataError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join('{"instruction": "no answer"}\n' for _ in range(5)))
+    sources = "data.sources=[{path: data/raylora_identity.jsonl}, {path: " + str(bad) + "}]"
+    with pytest.raises(DataError, match=r"5 of 29 rows were rejected"):
+        fit(job(tmp_path, "data.streaming=true", sources, "train.max_steps=2"), log=lambda s: None)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.info.status == "FAILED"

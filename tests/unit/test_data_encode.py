@@ -82,3 +82,8 @@ def test_flat_batch_gives_rejected_rows_no_tokens_and_keeps_the_others_exact(tok
         span = slice(batch.offsets[a], batch.offsets[b])
         assert batch.input_ids[span].tolist() == alone.input_ids
         assert batch.labels[span].tolist() == alone.labels
+
+
+def test_an_empty_batch_encodes_to_nothing(tok):
+    batch = Encoder(tokenizer_spec(tok, "auto"), 72, "tail", False).encode_arrays([])
+    assert (batch.input_ids.size, batch.labels.size, batch.offsets.tolist(), batch.errors) == (0, 0, [0], [])
