@@ -130,7 +130,7 @@ class Encoder:
             try:
                 plans.append(self.segments(messages))
             except RowError as e:
-                errors[i] = e
+                errors[i] = e.with_traceback(None)  # a traceback would keep this frame's batch alive
                 plans.append([])
         texts = [text for plan in plans for text, _ in plan]
         pieces = self.tokenize(texts)

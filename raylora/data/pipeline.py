@@ -170,9 +170,10 @@ def build_dataset(
 
 
 def stream(cfg: JobConfig, side_dir: Path) -> dict[str, Any]:
-    """The pipeline as lazy datasets that training reads on the fly: ``{"train": ..., "eval": ...}``.
+    """The pipeline as datasets that training reads on the fly: ``{"train": ..., "eval": ...}``.
 
-    Nothing is materialised: each pass over a dataset reads, encodes and packs the raw files again.
+    No shard is written. The train dataset is lazy: each pass over it reads, encodes and packs the raw files
+    again. The eval packs, if any, are computed once here and held in Ray's object store.
     Rejects and per-batch counts go to ``side_dir``; :func:`finish_stream` adds them up afterwards.
     Raises:
         DataError: bad sources (checked before anything runs).
@@ -186,11 +187,15 @@ def stream(cfg: JobConfig, side_dir: Path) -> dict[str, Any]:
     ensure_ray()
     eval_keys = _eval_keys(cfg, plan) if cfg.data.eval_count else None
     packs = build_dataset(cfg, side_dir, spec, plan, eval_keys)
-    splits = ["train", "eval"] if cfg.data.eval_count or cfg.data.eval_fraction else ["train"]
-    return {
+    datasets = {
         split: packs.map_batches(select_split, batch_size=None, batch_format="pyarrow", fn_kwargs={"split": split})
-        for split in splits
+        for split in ("train", "eval")
     }
+    if not (cfg.data.eval_count or cfg.data.eval_fraction):
+        return {"train": datasets["train"]}
+    # Every worker reads the whole eval set at every evaluation: run the pipeline for it once, now, and keep
+    # its (small) packs in Ray's object store rather than reading every raw file again each time.
+    return {"train": datasets["train"], "eval": datasets["eval"].materialize()}
 
 
 def finish_stream(side_dir: Path, data: DataArgs) -> dict[str, Any]:

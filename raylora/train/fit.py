@@ -117,7 +117,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     if streamed is not None:
         try:
             summary = finish_stream(out / "data", cfg.data)
-        except DataError:
+        except Exception:
             finish_run(cfg.tracking, run_id, [], "FAILED")
             raise
         log(f"streamed {summary['rows_read']} rows: kept {summary['rows_kept']}, rejected {summary['rows_rejected']}")

@@ -63,10 +63,21 @@ def test_tokenizers_whose_added_tokens_are_not_verbatim_get_whole_texts(options)
     assert pieces(TEXTS) == plain(tok, TEXTS)
 
 
-def test_normalised_added_tokens_are_verbatim_without_a_normaliser():
-    tok = bpe(normalized=True)
+def test_normalised_and_verbatim_added_tokens_together_get_whole_texts():
+    tok = bpe(normalized=True)  # the tokenizer matches these in a second pass; one regex cannot
     pieces = PieceTokenizer(tok)
-    assert pieces.split is not None
+    assert pieces.split is None
+    assert pieces(TEXTS) == plain(tok, TEXTS)
+
+
+def test_a_pre_tokenizer_that_marks_only_the_first_word_gets_whole_texts():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    pieces = PieceTokenizer(tok)
+    assert pieces.split is None
     assert pieces(TEXTS) == plain(tok, TEXTS)
 
 
