@@ -187,15 +187,15 @@ def stream(cfg: JobConfig, side_dir: Path) -> dict[str, Any]:
     ensure_ray()
     eval_keys = _eval_keys(cfg, plan) if cfg.data.eval_count else None
     packs = build_dataset(cfg, side_dir, spec, plan, eval_keys)
-    datasets = {
-        split: packs.map_batches(select_split, batch_size=None, batch_format="pyarrow", fn_kwargs={"split": split})
-        for split in ("train", "eval")
-    }
+
+    def split(name: str):
+        return packs.map_batches(select_split, batch_size=None, batch_format="pyarrow", fn_kwargs={"split": name})
+
     if not (cfg.data.eval_count or cfg.data.eval_fraction):
-        return {"train": datasets["train"]}
+        return {"train": split("train")}
     # Every worker reads the whole eval set at every evaluation: run the pipeline for it once, now, and keep
     # its (small) packs in Ray's object store rather than reading every raw file again each time.
-    return {"train": datasets["train"], "eval": datasets["eval"].materialize()}
+    return {"train": split("train"), "eval": split("eval").materialize()}
 
 
 def finish_stream(side_dir: Path, data: DataArgs) -> dict[str, Any]:
