@@ -79,6 +79,18 @@ def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
         return AutoModelForCausalLM.from_config(config)
 
 
+def randomise_lora(model, seed: int, scale: float) -> None:
+    """Fill every LoRA weight of ``model`` from ``seed`` (normal, times ``scale``), for tests.
+
+    LoRA B starts at zero, which makes any comparison of adapters trivial.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
 def target_modules(model: torch.nn.Module, names: list[str]) -> list[str] | str:
     """Expand presets in ``lora.target_modules`` and check each name matches a Linear layer.
 

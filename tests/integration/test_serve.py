@@ -19,7 +19,7 @@ from ray import serve
 from raylora.config import from_dict
 from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.model_files import tiny_tokenizer
-from raylora.models import tiny_model
+from raylora.models import randomise_lora, tiny_model
 from raylora.serve.adapters import register
 from raylora.serve.launch import APP_NAME, start
 
@@ -44,11 +44,7 @@ def _save_adapter(folder, seed: int, rank: int = 4, hidden: int | None = None):
     model = get_peft_model(
         base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     )
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    randomise_lora(model, seed, 0.5)
     model.save_pretrained(folder)
     return folder
 

@@ -3,7 +3,7 @@
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from raylora.models import tiny_model
+from raylora.models import randomise_lora, tiny_model
 from raylora.ops.int4 import quantize_adapter
 from raylora.ops.lora import BASE, mixed_batch_reference, stack_adapters
 
@@ -15,11 +15,7 @@ def _model(tmp_path) -> PeftModel:
     for seed, (name, rank) in enumerate([("a", 4), ("b", 8), ("c", 2)]):
         targets = ["q_proj", "v_proj"] if name != "c" else ["q_proj", "o_proj", "down_proj"]
         m = get_peft_model(tiny_model("llama"), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if "lora_" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        randomise_lora(m, seed, 0.3)
         m.save_pretrained(tmp_path / name)
     model = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "a"), adapter_name="a")
     for name in ("b", "c"):

@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from raylora.model_files import tiny_tokenizer
-from raylora.models import tiny_model
+from raylora.models import randomise_lora, tiny_model
 from raylora.serve.engine import Engine, Event, GenRequest, wait_for
 
 TOK = tiny_tokenizer()
@@ -34,11 +34,7 @@ def engine():
 def _adapters(tmp_path) -> PeftModel:
     for seed, name in enumerate(["a", "b"]):
         model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        randomise_lora(model, seed, 0.5)
         model.save_pretrained(tmp_path / name)
     model = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "a"), adapter_name="a")
     model.load_adapter(str(tmp_path / "b"), adapter_name="b")
