@@ -6,13 +6,16 @@ default system prompt, role headers) from a memo and tokenising only the rest th
 tokenizer's ids. That holds when added tokens are matched verbatim (not after a normaliser, not
 stripping neighbouring spaces, not limited to whole words, special tokens not encoded as text) and the
 pre-tokenizer treats every piece alike wherever it sits, which probes check once. Any other tokenizer
-gets every text whole.
+gets every text whole. Between added tokens, a byte-level BPE's pieces are cut into words and encoded word by
+word where that is exact (:mod:`raylora.data.words`).
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+
+from raylora.data.words import word_encoder
 
 MEMO_CHARS = 1024  # longest piece remembered
 MEMO_ENTRIES = 4096  # the memo is emptied when it grows past this
@@ -40,6 +43,7 @@ class PieceTokenizer:
         self.split = re.compile("(" + "|".join(map(re.escape, contents)) + ")").split if verbatim and contents else None
         self.added_ids = {t.content: i for i, t in added.items()}
         self.memo: dict[str, list[int]] = {}
+        self.encode_pieces = (self.split and word_encoder(backend)) or self._encode
         # A pre-tokenizer may treat a piece by where it sits in the text (Metaspace with prepend_scheme "first"
         # marks only the text's first word): probe each added token between words, both ways.
         if self.split is not None:
@@ -54,7 +58,7 @@ class PieceTokenizer:
         parts = [self.split(text) for text in texts]
         pieces = Counter(p for ps in parts for p in ps[0::2] if p)
         todo = [p for p in pieces if p not in memo]
-        fresh = dict(zip(todo, self._encode(todo), strict=True))
+        fresh = dict(zip(todo, self.encode_pieces(todo), strict=True))
         out = []
         for ps in parts:
             ids: list[int] = []

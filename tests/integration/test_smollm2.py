@@ -70,6 +70,7 @@ def test_piecewise_tokenisation_matches_the_smollm2_tokenizer_on_the_shared_samp
     from raylora.data.encode import Encoder, tokenizer_spec
     from raylora.data.formats import to_messages
     from raylora.data.tokenize import PieceTokenizer
+    from raylora.data.words import WordEncoder
     from raylora.model_files import load_tokenizer
 
     if not SHARED_DATA.is_dir():
@@ -84,8 +85,10 @@ def test_piecewise_tokenisation_matches_the_smollm2_tokenizer_on_the_shared_samp
     texts = [text for r in rows for text, _ in encoder.segments(to_messages(r, "alpaca", {}, {}))]
     pieces = PieceTokenizer(encoder.backend)
     assert pieces.split is not None
+    assert isinstance(pieces.encode_pieces, WordEncoder)
     whole = [e.ids for e in encoder.backend.encode_batch(texts, add_special_tokens=False)]
     assert [pieces(texts[i : i + 512]) for i in range(0, len(texts), 512)] == [
         whole[i : i + 512] for i in range(0, len(texts), 512)
     ]
     assert len(pieces.memo) >= 3
+    assert len(pieces.encode_pieces.memo) > 1000
