@@ -99,6 +99,9 @@ def test_prepare_mixes_formats_rejects_bad_rows_and_packs(tmp_path, mixed):
     assert (
         summary["packing_efficiency"] > 0.6
     )  # packs fill within each file: four tiny files leave four part-full tails
+    row_group = pq.ParquetFile(next((out / "shards").rglob("*.parquet"))).metadata.row_group(0)
+    columns = [row_group.column(k) for k in range(row_group.num_columns)]
+    assert {c.compression for c in columns} == {"ZSTD"} and not any(c.has_dictionary_page for c in columns)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] and set(manifest["fingerprint"]["files"]) == set(plan_sources(cfg.data))
     assert manifest["fingerprint"]["template"]["name"] == "tokenizer"
