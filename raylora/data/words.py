@@ -68,7 +68,7 @@ class WordEncoder:
         whole = iter(self._encode([text for text, ws in zip(texts, words, strict=True) if ws is None]))
         lookup = memo.__getitem__
         out = [next(whole) if ws is None else list(itertools.chain.from_iterable(map(lookup, ws))) for ws in words]
-        # keep the words that may recur: not long ones (mostly unique), and never more than MEMO_WORDS
+        # keep the words that may recur: not long ones (mostly unique); past MEMO_WORDS after a batch, start again
         for w in new:
             if len(w) > MEMO_CHARS:
                 del memo[w]
@@ -85,8 +85,8 @@ class WordEncoder:
         if joined:
             ids = self._encode(["\n".join(joined)])[0]
             ends = np.flatnonzero(np.asarray(ids) == self.newline).tolist()
-            if len(ends) != len(joined) - 1:
-                raise AssertionError("joined words did not stay apart: the tokenizer does not split as GPT-2 does")
+            if len(ends) != len(joined) - 1:  # word_encoder's checks rule this out
+                raise RuntimeError("words joined by newlines did not stay apart: ids would be wrong")
             starts = [0, *(e + 1 for e in ends)]
             out.update((w, tuple(ids[a:b])) for w, a, b in zip(joined, starts, [*ends, len(ids)], strict=True))
         return out
@@ -98,9 +98,10 @@ class WordEncoder:
 def word_encoder(backend) -> WordEncoder | None:
     """A :class:`WordEncoder` for ``backend`` (a ``tokenizers.Tokenizer``), or None where it would not be exact.
 
-    It must be a byte-level BPE that splits with GPT-2's expression: no normaliser (it would change the text
-    before the split), no prefix space, no truncation or padding (they apply to whole texts), no added token
-    holding a newline (joined words must stay apart). A word alone then splits into itself, so the tokenizer's
+    It must be a byte-level tokenizer that splits with GPT-2's expression: no normaliser (it would change the
+    text before the split), no prefix space, no truncation or padding (they apply to whole texts), no BPE dropout
+    (its ids vary from call to call), a newline that is one known token and no added token holding a newline
+    (joined words must stay apart). A word alone then splits into itself, so the tokenizer's
     ids of a word alone are its ids in any text.
     """
     from tokenizers import pre_tokenizers
@@ -113,11 +114,20 @@ def word_encoder(backend) -> WordEncoder | None:
         or not pre.use_regex
         or backend.truncation is not None
         or backend.padding is not None
+        or getattr(backend.model, "dropout", None)
         or any("\n" in t.content for t in backend.get_added_tokens_decoder().values())
+        or not _newline_is_one_token(backend)
     ):
         return None
     split = regex.compile(GPT2_SPLIT)
     return WordEncoder(backend, split) if classes_agree(backend, split) else None
+
+
+def _newline_is_one_token(backend) -> bool:
+    """Whether a newline is a token of its own, told apart from every other: joined words are cut at it."""
+    ids = backend.encode("\n", add_special_tokens=False).ids
+    unknown = getattr(backend.model, "unk_token", None)
+    return len(ids) == 1 and (unknown is None or ids[0] != backend.token_to_id(unknown))
 
 
 def classes_agree(backend, split: regex.Pattern, ranges=PROBED) -> bool:
