@@ -1,6 +1,6 @@
 """Byte-level BPE word by word: split text as the tokenizer does, take each distinct word's ids once.
 
-A byte-level BPE tokenizer with GPT-2's pre-tokenizer (SmolLM2, GPT-2, StarCoder, ...) cuts text into words with
+A byte-level BPE tokenizer whose pre-tokenizer is GPT-2's ByteLevel alone (SmolLM2, GPT-2) cuts text into words with
 one regular expression and encodes every word alone. On text in scripts written with spaces, most of its time
 goes to that cut and its offset bookkeeping, not to BPE: splitting with the same expression here (the ``regex``
 module), then taking each word's ids from a memo, or from the tokenizer for words not seen yet, gives the same
