@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from raylora.data.words import word_encoder
+from raylora.data.words import encode_ids, word_encoder
 
 MEMO_CHARS = 1024  # longest piece remembered
 MEMO_ENTRIES = 4096  # the memo is emptied when it grows past this
@@ -75,5 +75,4 @@ class PieceTokenizer:
         return out
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        # The Rust tokenizer directly, without offsets: a third faster than the transformers wrapper.
-        return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return encode_ids(self.backend, texts)
