@@ -169,7 +169,18 @@ class ServeArgs:
         min=1,
     )
     batch_wait_ms: float = _f(5.0, help="how long a new batch waits for more requests to arrive", min=0)
-    max_tokens: int = _f(256, help="generated tokens when a request gives no max_tokens", min=1)
+    max_prefill_tokens: int = _f(
+        64,
+        help="prompt tokens prefilled between two decode steps: a long prompt is prefilled in chunks of this size, "
+        "so it delays the running streams by one chunk at a time, not by its whole prefill",
+        min=1,
+    )
+    max_prompt_tokens: int | None = _f(
+        None, help="longest prompt accepted, in tokens (None: the model's context); longer ones get 400", min=1
+    )
+    max_tokens: int = _f(
+        256, help="generated tokens when a request gives no max_tokens (fewer if the context has less room)", min=1
+    )
     api_key: str | None = _f(None, help="bearer key every request needs (None: env RAYLORA_API_KEY, else open)")
     admin_key: str | None = _f(
         None, help="bearer key for POST /v1/adapters (None: env RAYLORA_ADMIN_KEY, else registration is off)"

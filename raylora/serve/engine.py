@@ -1,14 +1,19 @@
 """The generation engine of one serving replica: continuous batching across LoRA adapters.
 
-One thread owns the model. Requests join the running batch between decode steps (their prompts are
-prefilled together, then their KV cache is left-padded and concatenated onto the batch's), finished
-sequences leave it at once, and every step is one forward pass for all running sequences whatever
-adapter each uses (peft's mixed-batch ``adapter_names``). Adapter loads and unloads run on the same
-thread between steps, so a forward pass never sees the model change under it.
+One thread owns the model. Each turn of its loop runs at most ``max_prefill_tokens`` prompt tokens of
+prefill, then one decode step for every running sequence: short prompts that arrive together are prefilled
+as one left-padded batch, a long prompt is prefilled in chunks over several turns, so it never stalls the
+running streams for more than one chunk. A prefilled sequence's KV cache is left-padded and concatenated
+onto the running batch's; finished sequences leave at once; every decode step is one forward pass for all
+running sequences whatever adapter each uses (peft's mixed-batch ``adapter_names``). Adapter loads and
+unloads run on the same thread between turns, so a forward pass never sees the model change under it.
+Text is detokenised incrementally (tokenizers' ``DecodeStream``) and stop strings are looked for only in
+the new tail, so each token costs the same however long the answer grows.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 
@@ -70,9 +76,14 @@ class _Seq:
     req: GenRequest
     emit: Callable[[Event], None]
     generator: torch.Generator
-    ids: list[int] = field(default_factory=list)
-    sent: int = 0
+    decoder: DecodeStream
+    ids: list[int] = field(default_factory=list)  # generated so far
+    text: str = ""  # ``ids`` detokenised
+    sent: int = 0  # characters of ``text`` already emitted
+    prefilled: int = 0  # prompt tokens already in ``cache`` (a prompt prefilled in chunks)
+    cache: object = None
     cancelled: bool = False
+    failed: bool = False
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -83,17 +94,28 @@ class Engine:
 
     Args:
         model: a Hugging Face causal LM in eval mode, or a peft model around one.
-        tokenizer: its tokenizer (decoding, end-of-sequence ids).
+        tokenizer: its tokenizer (a fast, tokenizers-backed one: incremental decoding, end-of-sequence ids).
         max_batch_size: sequences decoded together; 1 turns batching off.
         batch_wait_s: how long an idle engine waits for more requests before starting a batch.
         threads: torch intra-op threads of the engine thread (None: torch's default).
+        max_prefill_tokens: prompt tokens prefilled per turn, between two decode steps of the running batch
+            (None: every prompt is prefilled whole, however long).
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int, batch_wait_s: float, threads: int | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_batch_size: int,
+        batch_wait_s: float,
+        threads: int | None = None,
+        max_prefill_tokens: int | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
+        self.max_prefill_tokens = max_prefill_tokens or sys.maxsize
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -101,6 +123,7 @@ class Engine:
         self._cv = threading.Condition()
         self._waiting: list[_Seq] = []
         self._calls: list[tuple[Callable, Future]] = []
+        self._prefilling: list[_Seq] = []  # admitted, prompt not yet (wholly) in a cache; touched by the engine only
         self._running: list[_Seq] = []
         self._cache = None
         self._mask: torch.Tensor | None = None  # (batch, cache length), 1 = real token
@@ -115,7 +138,7 @@ class Engine:
         """Queue a request; ``emit`` is called from the engine thread. Returns a handle with ``cancel()``."""
         gen = torch.Generator()
         gen.manual_seed(req.seed) if req.seed is not None else gen.seed()
-        seq = _Seq(req, emit, gen)
+        seq = _Seq(req, emit, gen, DecodeStream(skip_special_tokens=True))
         with self._cv:
             self._waiting.append(seq)
             self._cv.notify()
@@ -131,7 +154,7 @@ class Engine:
 
     def adapters_in_use(self) -> set[str]:
         with self._cv:
-            return {s.req.adapter for s in self._running + self._waiting if s.req.adapter}
+            return {s.req.adapter for s in self._waiting + self._prefilling + self._running if s.req.adapter}
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -148,30 +171,54 @@ class Engine:
             torch.set_num_threads(self.threads)
         while True:
             with self._cv:
-                while not (self._running or self._waiting or self._calls or self._stopping):
+                while not (self._running or self._prefilling or self._waiting or self._calls or self._stopping):
                     self._cv.wait()
                 if self._stopping:
                     return
-                if not self._running and self._waiting and self.batch_wait_s:
+                if not (self._running or self._prefilling) and self._waiting and self.batch_wait_s:
                     self._cv.wait_for(lambda: len(self._waiting) >= self.max_batch_size, self.batch_wait_s)
                 calls, self._calls = self._calls, []
-                room = self.max_batch_size - len(self._running)
-                admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+                room = self.max_batch_size - len(self._running) - len(self._prefilling)
+                self._prefilling += self._waiting[:room]
+                self._waiting = self._waiting[room:]
+                self._prefilling = [s for s in self._prefilling if not s.cancelled]
             for fn, future in calls:
                 try:
                     future.set_result(fn())
                 except Exception as e:  # the caller gets the reason; the engine keeps serving
                     future.set_exception(e)
-            try:
-                admitted = [s for s in admitted if not s.cancelled]
-                if admitted:
-                    self._admit(admitted)
-                if self._running:
-                    self._step()
-            except Exception as e:  # a failed forward fails its requests, not the replica
-                for seq in self._running + admitted:
-                    seq.emit(Event(error=f"generation failed: {type(e).__name__}: {e}"))
+            if self._prefilling:
+                chunk = self._next_chunk()
+                self._guarded(chunk, self._prefill, chunk)
+            if self._running:
+                self._guarded(list(self._running), self._step)
+
+    def _guarded(self, seqs: list[_Seq], work: Callable[..., None], *args) -> None:
+        """Run ``work(*args)``; if it raises, fail ``seqs`` (each once) and drop them, and keep serving the rest."""
+        try:
+            work(*args)
+        except Exception as e:  # a failed forward fails the requests it was for, not the replica
+            failed = [s for s in seqs if not s.failed]
+            for seq in failed:
+                seq.failed = True
+                seq.emit(Event(error=f"generation failed: {type(e).__name__}: {e}"))
+            with self._cv:
+                self._prefilling = [s for s in self._prefilling if not s.failed]
+            if any(s.failed for s in self._running):
                 self._running, self._cache, self._mask, self._next = [], None, None, None
+
+    def _next_chunk(self) -> list[_Seq]:
+        """The sequences prefilled this turn: a long prompt alone, or the short ones that fit the budget together."""
+        head = self._prefilling[0]
+        if head.prefilled or len(head.req.prompt_ids) > self.max_prefill_tokens:
+            return [head]
+        chunk, width = [], 0
+        for seq in self._prefilling:
+            width = max(width, len(seq.req.prompt_ids))
+            if seq.prefilled or width * (len(chunk) + 1) > self.max_prefill_tokens:
+                break
+            chunk.append(seq)
+        return chunk
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache):
         kwargs = {}
@@ -184,16 +231,35 @@ class Engine:
         )  # fmt: skip
         return out.logits[:, -1, :].float().cpu(), out.cache
 
-    def _admit(self, seqs: list[_Seq]) -> None:
-        width = max(len(s.req.prompt_ids) for s in seqs)
-        ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            n = len(s.req.prompt_ids)
-            ids[i, width - n :] = torch.tensor(s.req.prompt_ids)
-            mask[i, width - n :] = 1
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        logits, cache = self._forward(ids, mask, positions, seqs, None)
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        """One prefill forward: the next ``max_prefill_tokens`` of one long prompt, or several short prompts whole."""
+        if len(seqs) == 1 and (seqs[0].prefilled or len(seqs[0].req.prompt_ids) > self.max_prefill_tokens):
+            seq = seqs[0]
+            start = seq.prefilled
+            end = min(len(seq.req.prompt_ids), start + self.max_prefill_tokens)
+            ids = torch.tensor([seq.req.prompt_ids[start:end]])
+            mask = torch.ones((1, end), dtype=torch.long)
+            logits, seq.cache = self._forward(ids, mask, torch.arange(start, end)[None], seqs, seq.cache)
+            seq.prefilled = end
+            if end < len(seq.req.prompt_ids):
+                return
+            cache, seq.cache = seq.cache, None
+        else:
+            width = max(len(s.req.prompt_ids) for s in seqs)
+            ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                n = len(s.req.prompt_ids)
+                ids[i, width - n :] = torch.tensor(s.req.prompt_ids)
+                mask[i, width - n :] = 1
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            logits, cache = self._forward(ids, mask, positions, seqs, None)
+        with self._cv:
+            self._prefilling = [s for s in self._prefilling if s not in seqs]
+        self._join(seqs, logits, cache, mask)
+
+    def _join(self, seqs: list[_Seq], logits: torch.Tensor, cache, mask: torch.Tensor) -> None:
+        """Sample the first token of freshly prefilled ``seqs`` and add the unfinished ones to the running batch."""
         tokens = self._sample(logits, seqs)
         seqs, cache, mask, tokens = self._keep_unfinished(seqs, cache, mask, tokens)
         if not seqs:
@@ -241,26 +307,26 @@ class Engine:
 
     def _advance(self, seq: _Seq, token: int) -> bool:
         """Record ``token`` for ``seq`` and send the text that is final; returns whether ``seq`` finished."""
-        reason = None
+        stops = seq.req.stop
         if token in self.eos_ids:
-            reason = "stop"
+            reason, piece = "stop", ""
         else:
             seq.ids.append(token)
-        text = self.tokenizer.decode(seq.ids, skip_special_tokens=True)
-        cut = min((text.find(s) for s in seq.req.stop if s in text), default=-1)
-        if cut >= 0:
-            text, reason = text[:cut], "stop"
-        elif reason is None and len(seq.ids) >= seq.req.max_tokens:
-            reason = "length"
-        if reason is None:
-            # Hold back what could still become a stop string or is half a multi-byte character.
-            hold = max((len(s) - 1 for s in seq.req.stop), default=0)
-            end = len(text) - hold
-            while end > seq.sent and text[end - 1] == "\ufffd":
-                end -= 1
-        else:
-            end = len(text)
-        delta = text[seq.sent : max(end, seq.sent)]
+            piece = seq.decoder.step(self.tokenizer._tokenizer, token) or ""  # "": half a multi-byte character
+            reason = "length" if len(seq.ids) >= seq.req.max_tokens else None
+        if reason is not None:
+            # The stream holds back a character whose bytes are incomplete; the answer ends with it as decode() has it.
+            piece = self.tokenizer.decode(seq.ids, skip_special_tokens=True)[len(seq.text) :]
+        if piece:
+            # A stop string first seen now ends in the new piece: search only the tail it can start in.
+            start = max(0, len(seq.text) - max((len(s) for s in stops), default=1) + 1)
+            seq.text += piece
+            cut = min((i for s in stops if (i := seq.text.find(s, start)) >= 0), default=-1)
+            if cut >= 0:
+                seq.text, reason = seq.text[:cut], "stop"
+        # Hold back what could still become a stop string.
+        end = len(seq.text) if reason else len(seq.text) - max((len(s) - 1 for s in stops), default=0)
+        delta = seq.text[seq.sent : max(end, seq.sent)]
         seq.sent = max(end, seq.sent)
         if reason is not None:
             seq.emit(Event(delta, reason, len(seq.req.prompt_ids), len(seq.ids)))

@@ -2,7 +2,8 @@
 
 Adapters are loaded through Ray Serve's model multiplexing, so the router sends a request for adapter A
 to a replica that already holds A; the LRU size is ``serve.max_adapters``. An adapter the LRU evicts is
-detached only once no request still decoding uses it.
+detached only once no request uses it any more, and never while the LRU holds it again: which adapters go
+is decided on the engine thread, from what the LRU holds and what requests use at that moment.
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ class LLMServer:
         self.base = model
         self.encoder = Encoder(tokenizer_spec(self.tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
         threads = cfg.serve.engine_threads or max(1, round(cfg.serve.cpus_per_replica))
-        self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000, threads)
+        self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000, threads,
+                             cfg.serve.max_prefill_tokens)  # fmt: skip
         self.root = Path(cfg.serve.adapter_root).resolve()
-        self._retired: set[str] = set()
+        self._held: set[str] = set()  # adapters Serve's LRU holds
+        self._attached: set[str] = set()  # adapters in the model; changed on the engine thread only
         self._pinned: Counter[str] = Counter()  # requests between loading their adapter and reaching the engine
         self._lock = threading.Lock()
 
@@ -88,10 +91,10 @@ class LLMServer:
         self._adapter = serve.multiplexed(max_num_models_per_replica=cfg.serve.max_adapters)(adapter)
 
     async def _load(self, name: str) -> _Held:
-        with self._lock:
-            self._retired.discard(name)
         path = await asyncio.to_thread(self._find, name)
         await asyncio.wrap_future(self.engine.call(lambda: self._attach(name, path)))
+        with self._lock:
+            self._held.add(name)
         return _Held(self, name)
 
     def _find(self, name: str) -> Path:
@@ -108,9 +111,9 @@ class LLMServer:
         """Engine thread: add adapter ``name`` to the model (idempotent)."""
         from peft import PeftModel
 
-        model = self.engine.model
-        if hasattr(model, "peft_config") and name in model.peft_config:
+        if name in self._attached:
             return
+        model = self.engine.model
         config = check_compatible(path, self.base, self.cfg.serve.max_lora_rank)
         if config.get("use_dora") and self.quantization:
             # DoRA reads the base weight as floats; on int8 weights its answers would be silently wrong.
@@ -127,31 +130,41 @@ class LLMServer:
 
             quantize_adapter(model, name, self.cfg.serve.adapter_group_size)
         stack_adapters(model)
+        with self._lock:
+            self._attached.add(name)
         log.info("adapter %s loaded from %s", name, path)
 
     def retire(self, name: str) -> None:
-        """The LRU evicted ``name``: detach it once no request uses it."""
+        """Serve's LRU evicted ``name``: detach it once no request uses it."""
         with self._lock:
-            self._retired.add(name)
-        self._sweep()
+            self._held.discard(name)
+        self._collect_soon()
 
-    def _sweep(self) -> None:
+    def _collect_soon(self) -> None:
         with self._lock:
-            idle = self._retired - self.engine.adapters_in_use() - set(+self._pinned)
-            self._retired -= idle
-        for name in idle:
-            self.engine.call(lambda name=name: self._detach(name))
+            if self._attached - self._held:
+                self.engine.call(self._collect)
 
-    def _detach(self, name: str) -> None:
+    def _collect(self) -> None:
+        """Engine thread: detach every adapter that the LRU does not hold and no request uses."""
+        with self._lock:
+            keep = self._held | set(+self._pinned)
+        # Read after ``keep``: a request is pinned until it is in the engine, so none slips between the two.
+        keep |= self.engine.adapters_in_use()
+        drop = sorted(self._attached - keep)
+        if not drop:
+            return
         model = self.engine.model
-        with self._lock:
-            if name in self.engine.adapters_in_use() or self._pinned[name]:
-                self._retired.add(name)
-                return
-        if hasattr(model, "peft_config") and name in model.peft_config:
+        for name in drop:
             model.delete_adapter(name)
-            stack_adapters(model)
+            with self._lock:
+                self._attached.discard(name)
             log.info("adapter %s unloaded", name)
+        if self._attached:
+            stack_adapters(model)
+        else:
+            # peft keeps a deleted last adapter as the active one, and every later forward fails on it.
+            self.engine.model = model.unload()
 
     def render(self, messages: list[dict[str, str]] | None, prompt: str | None) -> list[int]:
         """Prompt token ids: a conversation through the chat template, or a completion prompt as is."""
@@ -161,6 +174,30 @@ class LLMServer:
             ).input_ids
         return self.tokenizer(prompt).input_ids
 
+    def budget(self, prompt_tokens: int, max_tokens: int | None, field: str) -> int:
+        """The tokens a request may generate: its ``max_tokens``, else ``serve.max_tokens`` or what the context has left.
+
+        Raises:
+            ApiError: 400 ``context_length_exceeded`` when the prompt is longer than ``serve.max_prompt_tokens``,
+                leaves no room in the context, or with the given ``max_tokens`` does not fit.
+        """
+        context = self.engine.max_context
+        longest = min(self.cfg.serve.max_prompt_tokens or context, context - 1)
+        if prompt_tokens > longest:
+            raise ApiError(
+                400, f"the prompt has {prompt_tokens} tokens; this server accepts at most {longest} (the model's "
+                f"context is {context} tokens, serve.max_prompt_tokens is {self.cfg.serve.max_prompt_tokens}): "
+                "shorten the prompt", field, "context_length_exceeded",
+            )  # fmt: skip
+        if max_tokens is None:
+            return min(self.cfg.serve.max_tokens, context - prompt_tokens)
+        if prompt_tokens + max_tokens > context:
+            raise ApiError(
+                400, f"this model's context is {context} tokens; the prompt has {prompt_tokens} and max_tokens is "
+                f"{max_tokens}: shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded",
+            )  # fmt: skip
+        return max_tokens
+
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Stream :class:`Event` dicts for one request.
 
@@ -169,21 +206,18 @@ class LLMServer:
                 ``top_p``, ``stop``, ``seed``, ``stream`` (False: one event, the whole answer); the adapter is
                 the multiplexed model id (empty: the base).
         Raises:
-            ApiError: 400 when the prompt plus max_tokens exceeds the context; adapter errors with their status.
+            ApiError: 400 ``context_length_exceeded`` (see :meth:`budget`); adapter errors with their status.
         """
         adapter = serve.get_multiplexed_model_id() or None
         with self._lock:
             self._pinned[adapter] += 1
         try:
+            ids = self.render(request["messages"], request["prompt"])
+            max_tokens = self.budget(
+                len(ids), request["max_tokens"], "prompt" if request["messages"] is None else "messages"
+            )
             if adapter:
                 await self._adapter(adapter)
-            ids = self.render(request["messages"], request["prompt"])
-            max_tokens = request["max_tokens"] or min(self.cfg.serve.max_tokens, self.engine.max_context - len(ids))
-            if len(ids) + max_tokens > self.engine.max_context:
-                raise ApiError(
-                    400, f"this model's context is {self.engine.max_context} tokens; the prompt has {len(ids)} and "
-                    f"max_tokens is {max_tokens}: shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded",
-                )  # fmt: skip
             req = GenRequest(ids, adapter, max_tokens, request["temperature"], request["top_p"], tuple(request["stop"]),
                              request["seed"])  # fmt: skip
             loop = asyncio.get_running_loop()
@@ -203,13 +237,12 @@ class LLMServer:
                     return
         finally:
             seq.cancel()
-            if self._retired:
-                self._sweep()
+            self._collect_soon()
 
     def info(self) -> dict:
         """What this replica runs: pid, quantisation summary, loaded adapters (for probes and tests)."""
-        model = self.engine.model
-        loaded = sorted(model.peft_config) if hasattr(model, "peft_config") else []
+        with self._lock:
+            loaded = sorted(self._attached)
         return {"pid": os.getpid(), "quantization": self.quantization, "adapters": loaded}
 
     def check_health(self) -> None:

@@ -147,3 +147,103 @@ def test_engine_calls_run_between_steps_and_return_values(engine):
     assert engine.call(lambda: 41 + 1).result(10) == 42
     with pytest.raises(ValueError):
         engine.call(lambda: int("x")).result(10)
+
+
+LONG = " ".join(f"word{i}" for i in range(60))  # about 200 tokens of the tiny tokenizer
+
+
+def test_chunked_prefill_gives_the_solo_answers(tmp_path):
+    model = tiny_model("llama").eval()
+    engine = Engine(model, TOK, max_batch_size=8, batch_wait_s=0.1, max_prefill_tokens=16)
+    prompts = [LONG, "hello world", LONG[:90], "x"]
+    expected = [_generate(model, p, 10) for p in prompts]
+    results: dict[int, Event] = {}
+
+    def ask(i: int) -> None:
+        results[i] = wait_for(engine, GenRequest(_ids(prompts[i]), max_tokens=10, temperature=0))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    engine.stop()
+    assert len(_ids(LONG)) > 10 * 16
+    assert [results[i].text for i in range(len(prompts))] == expected
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_streams_tokens():
+    engine = Engine(tiny_model("llama").eval(), TOK, max_batch_size=8, batch_wait_s=0, max_prefill_tokens=16)
+    engine.eos_ids = set()
+    stream = engine.submit(GenRequest(_ids("abc"), max_tokens=400, temperature=0), lambda e: None)
+    while not stream.ids:
+        threading.Event().wait(0.01)
+    before = len(stream.ids)
+    out = wait_for(engine, GenRequest(_ids(LONG), max_tokens=1, temperature=0))
+    during = len(stream.ids) - before
+    engine.stop()
+    chunks = -(-len(_ids(LONG)) // 16)
+    # The stream kept decoding while the long prompt was prefilled: a token after each chunk.
+    assert out.completion_tokens == 1 and chunks > 10 and chunks - 1 <= during <= chunks + 1
+
+
+def test_a_failed_prefill_fails_only_its_request_and_each_failure_is_told_once(engine, monkeypatch):
+    engine.eos_ids = set()
+    stream: list[Event] = []
+    engine.submit(GenRequest(_ids("abc"), max_tokens=60, temperature=0), stream.append)
+    while not stream:
+        threading.Event().wait(0.01)
+    real = engine._forward
+
+    def failing_prefill(ids, *args):
+        if ids.shape[1] > 1:
+            raise RuntimeError("bad adapter")
+        return real(ids, *args)
+
+    monkeypatch.setattr(engine, "_forward", failing_prefill)
+    parts: list[Event] = []
+    done = threading.Event()
+    engine.submit(GenRequest(_ids("hello world"), max_tokens=5, temperature=0),
+                  lambda e: (parts.append(e), done.set()))  # fmt: skip
+    assert done.wait(30)
+    while not stream[-1].final:
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.2)
+    assert [p.error for p in parts] == ["generation failed: RuntimeError: bad adapter"]
+    assert stream[-1].finish_reason == "length" and stream[-1].completion_tokens == 60
+    assert all(e.error is None for e in stream)
+
+
+def test_a_failed_decode_step_tells_each_request_once(engine, monkeypatch):
+    real = engine._forward
+    calls = {"n": 0}
+
+    def failing_step(ids, *args):
+        calls["n"] += 1
+        if ids.shape[1] == 1 and calls["n"] > 3:
+            raise RuntimeError("device lost")
+        return real(ids, *args)
+
+    monkeypatch.setattr(engine, "_forward", failing_step)
+    events: dict[int, list[Event]] = {0: [], 1: []}
+    for i, text in enumerate(["abc", "hello world"]):
+        engine.submit(GenRequest(_ids(text), max_tokens=50, temperature=0), events[i].append)
+    deadline = threading.Event()
+    while not all(e and e[-1].final for e in events.values()):
+        deadline.wait(0.01)
+    threading.Event().wait(0.2)
+    assert [[e.error for e in evs if e.error] for evs in events.values()] == [
+        ["generation failed: RuntimeError: device lost"]
+    ] * 2
+    monkeypatch.setattr(engine, "_forward", real)
+    assert wait_for(engine, GenRequest(_ids("abc"), max_tokens=5, temperature=0)).completion_tokens == 5
+
+
+def test_text_is_decoded_incrementally(engine, monkeypatch):
+    whole = _generate(engine.model, "abc", 200)
+    calls = []
+    real = TOK.decode
+    monkeypatch.setattr(TOK, "decode", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    engine.eos_ids = set()
+    out = wait_for(engine, GenRequest(_ids("abc"), max_tokens=200, temperature=0))
+    assert out.text == whole and len(calls) == 1  # once, at the end: not once per token

@@ -1,6 +1,21 @@
+"""The replica's adapter lifecycle without Serve: loads, LRU evictions and requests in any order."""
+
+import asyncio
 import gc
 
-from raylora.serve.replica import _Held
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from raylora.config import from_dict, to_dict
+from raylora.model_files import tiny_tokenizer
+from raylora.models import randomise_lora, tiny_model
+from raylora.serve.engine import GenRequest, wait_for
+from raylora.serve.protocol import ApiError
+from raylora.serve.replica import LLMServer, _Held
+
+TOK = tiny_tokenizer()
+NAMES = ("a", "b", "c")
 
 
 class _Server:
@@ -21,3 +36,85 @@ def test_an_evicted_adapter_is_retired_once_even_when_collected_later():
     del held
     gc.collect()
     assert server.retired == ["alpha"]
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, name in enumerate(NAMES):
+        model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        randomise_lora(model, seed, 0.5)
+        model.save_pretrained(root / name)
+    cfg = from_dict({"model": {"name_or_path": "tiny-llama"},
+                     "serve": {"adapter_root": str(root), "max_adapters": 1, "max_prompt_tokens": 100},
+                     "backend": {"device": "cpu"}, "tracking": {"enabled": False}})  # fmt: skip
+    server = LLMServer(to_dict(cfg))
+    expected = {}
+    ids = TOK("hello there", add_special_tokens=False).input_ids
+    for name in (None, *NAMES):
+        model = tiny_model("llama").eval()
+        model = PeftModel.from_pretrained(model, str(root / name)).eval() if name else model
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        expected[name] = TOK.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert len(set(expected.values())) == 4
+    yield server, ids, expected
+    server.engine.stop()
+
+
+def _answer(server, ids, name) -> str:
+    out = wait_for(server.engine, GenRequest(ids, name, max_tokens=8, temperature=0), timeout_s=60)
+    assert out.error is None, out.error
+    return out.text
+
+
+def test_base_and_adapters_answer_right_through_lru_evictions(replica):
+    server, ids, expected = replica
+    held = None
+    for name in (None, "a", None, "b", "b", None, "c", "a", None, "a"):  # base -> A -> base -> B was the fault
+        if name and name not in server.info()["adapters"]:
+            if held is not None:
+                held.__del__()  # what Serve's LRU of one does before loading the next adapter
+            held = asyncio.run(server._load(name))
+        assert _answer(server, ids, name) == expected[name], name
+        server.engine.call(lambda: None).result(10)  # the collection queued by an eviction has run
+        assert len(server.info()["adapters"]) <= 1
+    held.__del__()
+    server.engine.call(lambda: None).result(10)
+    assert server.info()["adapters"] == [] and not hasattr(server.engine.model, "peft_config")
+    assert _answer(server, ids, None) == expected[None]
+
+
+def test_an_adapter_loaded_again_while_its_unload_is_queued_stays(replica):
+    server, ids, expected = replica
+    held = asyncio.run(server._load("a"))
+    held.__del__()  # evicted: its collection is queued on the engine thread ...
+    server._pinned["a"] += 1  # ... while a request for it arrives and Serve loads it again
+    again = asyncio.run(server._load("a"))
+    server._pinned["a"] -= 1
+    server._collect_soon()
+    server.engine.call(lambda: None).result(10)
+    assert server.info()["adapters"] == ["a"]
+    assert _answer(server, ids, "a") == expected["a"]
+    again.__del__()
+
+
+def test_prompts_past_the_limits_are_refused_and_default_max_tokens_fits_the_context(replica):
+    server, _, _ = replica
+    context = server.engine.max_context
+    assert server.budget(10, None, "messages") == server.cfg.serve.max_tokens
+    with pytest.raises(ApiError) as e:
+        server.budget(101, None, "messages")  # serve.max_prompt_tokens is 100
+    assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded", "messages")
+    assert "100" in e.value.message
+    server.cfg.serve.max_prompt_tokens = None
+    try:
+        for n in (context, context + 900):
+            with pytest.raises(ApiError) as e:
+                server.budget(n, None, "prompt")  # no max_tokens: still refused, never admitted past the context
+            assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+        assert server.budget(context - 5, None, "prompt") == 5
+        with pytest.raises(ApiError) as e:
+            server.budget(context - 5, 6, "prompt")
+        assert e.value.param == "max_tokens"
+    finally:
+        server.cfg.serve.max_prompt_tokens = 100
