@@ -71,12 +71,16 @@ def main(argv: list[str] | None = None) -> int:
 
             export(cfg)
         elif args.command == "serve":
-            from raylora.serve.launch import serve_forever, start
+            from raylora.serve.launch import ServeSetupError, serve_forever, start
 
-            if args.detach:
-                print(f"raylora serve: {start(cfg)}/v1 is ready (OpenAI API)")
-            else:
-                serve_forever(cfg)
+            try:
+                if args.detach:
+                    print(f"raylora serve: {start(cfg)}/v1 is ready (OpenAI API)")
+                else:
+                    serve_forever(cfg)
+            except ServeSetupError as e:
+                print(f"raylora serve: {e}", file=sys.stderr)
+                return 2
         elif args.command == "train":
             from raylora.train.fit import fit
 

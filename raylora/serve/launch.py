@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import time
 from pathlib import Path
 
 from raylora.config import JobConfig
 
 APP_NAME = "raylora"
+
+
+class ServeSetupError(ValueError):
+    """Problems found before the cluster is touched; the message lists every one."""
 
 
 def check_serve(cfg: JobConfig) -> list[str]:
@@ -29,7 +36,35 @@ def check_serve(cfg: JobConfig) -> list[str]:
     if root.exists() and not root.is_dir():
         problems.append(f"serve.adapter_root={root} is a file; it must be a folder of adapters")
     problems += _model_problems(cfg)
+    holder = port_holder(cfg.serve.host, cfg.serve.port)
+    if holder and not (os.environ.get("RAY_ADDRESS") and "ProxyActor" in holder):
+        # Ray Serve's proxy listens with SO_REUSEPORT: a second server would not fail, it would share the port.
+        problems.append(
+            f"port {cfg.serve.host}:{cfg.serve.port} is taken by {holder}; stop that server, or choose another "
+            "port with serve.port=PORT"
+        )
     return problems
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """What listens on ``host:port``: ``None`` when the port is free, else the process (pid and command line)."""
+    import psutil
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no holder
+        try:
+            s.bind((host, port))
+            return None
+        except OSError:
+            pass
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            try:
+                command = " ".join(psutil.Process(conn.pid).cmdline())
+            except psutil.Error:
+                command = "?"
+            return f"process {conn.pid} ({command[:160]})"
+    return "another process"
 
 
 def _model_problems(cfg: JobConfig) -> list[str]:
@@ -51,11 +86,11 @@ def start(cfg: JobConfig) -> str:
     """Deploy the application on the current Ray cluster (started on 127.0.0.1 if none); returns its base URL.
 
     Raises:
-        ValueError: listing every problem :func:`check_serve` found.
+        ServeSetupError: listing every problem :func:`check_serve` found, before any Ray process starts.
     """
     problems = check_serve(cfg)
     if problems:
-        raise ValueError("cannot serve:\n  - " + "\n  - ".join(problems))
+        raise ServeSetupError("cannot serve:\n  - " + "\n  - ".join(problems))
     from ray import serve
 
     from raylora.cluster import ensure_ray
@@ -78,14 +113,23 @@ def start(cfg: JobConfig) -> str:
 
 
 def serve_forever(cfg: JobConfig) -> None:
-    """``raylora serve``: deploy, print how to call it, and keep serving until interrupted."""
+    """``raylora serve``: deploy, print how to call it, and serve until Ctrl-C or SIGTERM, then stop cleanly."""
+    import ray
     from ray import serve
 
     url = start(cfg)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     print(f"raylora serve: {url}/v1 is ready (OpenAI API; GET {url}/v1/models lists the base and adapters). "
           "Ctrl-C stops it.", flush=True)  # fmt: skip
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        print("raylora serve: stopping", flush=True)
         serve.delete(APP_NAME)
+        serve.shutdown()
+        ray.shutdown()

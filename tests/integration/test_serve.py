@@ -5,8 +5,11 @@ import os
 import random
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import mlflow
 import openai
@@ -60,7 +63,7 @@ def server(tmp_path_factory, ray_session):
     _save_adapter(tmp / "trained" / "adapter", seed=7)
     cfg = from_dict({
         "model": {"name_or_path": "tiny-llama"},
-        "serve": {"port": _free_port(), "adapter_root": str(root), "max_adapters": 2, "max_lora_rank": 16,
+        "serve": {"port": _free_port(), "adapter_root": str(root), "max_adapters": 1, "max_lora_rank": 16,
                   "max_batch_size": 8, "api_key": KEY, "admin_key": ADMIN, "cpus_per_replica": 0.5},
         "backend": {"device": "cpu"},
         "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db"},
@@ -151,8 +154,54 @@ def test_stop_strings_seed_and_sampling(server, client):
     assert a == b
 
 
+def test_base_and_adapters_through_an_lru_of_one(server, client):
+    # base -> A -> base -> B used to fail B with KeyError: 'A', and every request after it, the base's included.
+    expected = {n: _reference(None if n == "tiny-llama" else server["root"] / n, QUESTION, 8)[0]
+                for n in ("tiny-llama", "alpha", "beta")}  # fmt: skip
+    for name in ("tiny-llama", "alpha", "tiny-llama", "beta", "tiny-llama", "alpha", "alpha", "beta"):
+        out = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=8, temperature=0)
+        assert out.choices[0].message.content == expected[name], name
+
+
+def test_randomized_soak_across_adapter_loads_and_evictions(server, client):
+    questions = [[{"role": "user", "content": q}] for q in ("Who are you?", "Name a colour.", "2+2?")]
+    names = ["tiny-llama", "alpha", "beta", "gamma"]  # three adapters through an LRU of one
+    expected = {(n, i): _reference(None if n == "tiny-llama" else server["root"] / n, q, 6)[0]
+                for n in names for i, q in enumerate(questions)}  # fmt: skip
+    rng = random.Random(1)
+    plan = [(rng.choice(names), rng.randrange(len(questions)), rng.random() < 0.5) for _ in range(60)]
+    deadline = time.monotonic() + 90
+    answers: dict[int, tuple[str, str]] = {}
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while time.monotonic() < deadline:
+            with lock:
+                if not plan:
+                    return
+                k = len(plan)
+                name, q, stream = plan.pop()
+            kwargs = {"model": name, "messages": questions[q], "max_tokens": 6, "temperature": 0}
+            if stream:
+                text = "".join(c.choices[0].delta.content or "" for c in
+                               client.chat.completions.create(**kwargs, stream=True) if c.choices)  # fmt: skip
+            else:
+                text = client.chat.completions.create(**kwargs).choices[0].message.content
+            answers[k] = (text, expected[(name, q)])
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    assert len(answers) >= 30  # bounded by time on a loaded machine, but never few
+    assert all(got == want for got, want in answers.values())
+    out = client.chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content == _reference(None, QUESTION, 8)[0]
+
+
 def test_concurrent_mixed_adapters_batch_together_and_match_alone(server, client):
-    names = ["alpha", "beta", "tiny-llama", "gamma"] * 3  # three adapters through an LRU of two
+    names = ["alpha", "beta", "tiny-llama", "gamma"] * 3  # three adapters through an LRU of one
     expected = {n: _reference(None if n == "tiny-llama" else server["root"] / n, QUESTION, 10)[0] for n in set(names)}
     results: dict[int, str] = {}
 
@@ -209,6 +258,49 @@ def test_context_and_incompatible_adapter_errors_say_why(server):
     r = _post(server, "/v1/chat/completions", {"model": "other-base", "messages": QUESTION})
     assert "q_proj" in r.json()["error"]["message"]
     assert requests.get(server["url"] + "/v2/nothing", timeout=30).status_code == 404
+
+
+def _prompt_of(tokens: int) -> str:
+    tok = tiny_tokenizer()
+    text = "w" * (tokens - (len(tok("w").input_ids) - 1))  # one token a byte, plus what the tokenizer adds
+    assert len(tok(text).input_ids) == tokens
+    return text
+
+
+def test_a_prompt_past_the_context_is_refused_at_once_without_max_tokens(server):
+    started = time.monotonic()
+    r = _post(server, "/v1/completions", {"model": "tiny-llama", "prompt": _prompt_of(2100)})
+    assert r.status_code == 400 and _is_openai_error(r)
+    assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == "prompt"
+    assert "2100" in r.json()["error"]["message"] and time.monotonic() - started < 10
+    r = _post(
+        server, "/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "w " * 2100}]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_a_default_max_tokens_that_does_not_fit_gets_what_fits(server):
+    r = _post(server, "/v1/completions", {"model": "tiny-llama", "prompt": _prompt_of(2044), "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage, choice = r.json()["usage"], r.json()["choices"][0]
+    assert usage["prompt_tokens"] == 2044 and usage["prompt_tokens"] + usage["completion_tokens"] <= 2048
+    assert (choice["finish_reason"], usage["completion_tokens"]) == ("length", 4) or choice["finish_reason"] == "stop"
+
+
+def test_a_second_server_on_the_same_port_exits_2_and_starts_nothing(server, tmp_path):
+    ray_tmp = tmp_path / "ray"
+    ray_tmp.mkdir()
+    port = server["cfg"].serve.port
+    started = time.monotonic()
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("raylora")), "serve", "configs/tiny_serve_cpu.yaml", f"serve.port={port}",
+         f"serve.adapter_root={tmp_path / 'adapters'}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(ray_tmp)},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"port 127.0.0.1:{port} is taken by process" in proc.stderr and "serve.port" in proc.stderr
+    assert list(ray_tmp.iterdir()) == [] and time.monotonic() - started < 60  # no Ray session was started
+    assert requests.get(server["url"] + "/health", timeout=30).json() == {"status": "ok"}
 
 
 def test_register_adapters_from_a_training_folder_and_from_mlflow(server, client):

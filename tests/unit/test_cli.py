@@ -65,7 +65,7 @@ def test_serve_lists_every_problem_before_touching_ray(tmp_path, capsys):
     (tmp_path / "root").write_text("not a folder")
     args = ["serve", "configs/tiny_serve_cpu.yaml", "serve.quantization=w8a8-smoothquant", "data.sources=[]",
             f"serve.adapter_root={tmp_path / 'root'}"]  # fmt: skip
-    assert main(args) == 1
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert "calibrates on data.sources" in err and "is a file" in err
     import ray

@@ -1,0 +1,67 @@
+"""`raylora serve` as a user runs it: ready, answering, and stopped cleanly by Ctrl-C or SIGTERM."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from raylora.serve.launch import port_holder
+
+RAYLORA = str(Path(sys.executable).with_name("raylora"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _session_processes(ray_tmp: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if str(ray_tmp) in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_stops_cleanly_on_a_signal(signum, tmp_path):
+    port = _free_port()
+    ray_tmp = Path(f"/tmp/rl-{os.getpid()}-{signum}")
+    ray_tmp.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        [RAYLORA, "serve", "configs/tiny_serve_cpu.yaml", f"serve.port={port}",
+         f"serve.adapter_root={tmp_path / 'adapters'}", "serve.cpus_per_replica=0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_TMPDIR": str(ray_tmp)},
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "is ready" in line:
+                break
+        assert "is ready" in lines[-1], "".join(lines[-30:])
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3, "temperature": 0}
+        r = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert _session_processes(ray_tmp), "the server's Ray processes should be found by their temp folder"
+        proc.send_signal(signum)
+        rest = proc.communicate(timeout=90)[0]
+        assert proc.returncode == 0, rest[-3000:]
+        assert "stopping" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while _session_processes(ray_tmp) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _session_processes(ray_tmp) == []
+    assert port_holder("127.0.0.1", port) is None
