@@ -18,8 +18,9 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raylora.config import JobConfig, from_dict, load_config, to_dict
+from raylora.registry import AdapterError, check_name, list_registered
 from raylora.serve import protocol
-from raylora.serve.adapters import AdapterError, check_name, install, list_local, list_registered, local_adapter
+from raylora.serve.adapters import install, list_local, local_adapter
 from raylora.serve.protocol import ApiError
 from raylora.serve.replica import LLMServer
 

@@ -22,7 +22,9 @@ from ray import serve
 
 from raylora.config import JobConfig, from_dict
 from raylora.ops.lora import stack_adapters
-from raylora.serve.adapters import AdapterError, check_compatible, fetch_registered, local_adapter
+from raylora.registry import AdapterError
+from raylora.serve.adapters import fetch_registered, local_adapter
+from raylora.serve.compat import check_compatible
 from raylora.serve.engine import Engine, Event, GenRequest, joined
 from raylora.serve.protocol import ApiError
 

@@ -35,7 +35,8 @@ from typing import Any
 from raylora.backends import PROBE_ORDER, BackendError
 from raylora.config import JobConfig
 from raylora.model_files import TINY, ModelError, model_folder
-from raylora.serve.adapters import AdapterError, local_adapter
+from raylora.registry import AdapterError
+from raylora.serve.adapters import local_adapter
 from raylora.serve.app import resolve_keys, served_name
 
 # The schemes Ray 2.60's LoraConfig accepts for dynamic_lora_loading_path (ray.llm cloud_utils.is_remote_path).

@@ -23,7 +23,7 @@ from raylora.config import from_dict
 from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
-from raylora.serve.adapters import register
+from raylora.registry import register
 from raylora.serve.launch import APP_NAME, start
 
 KEY, ADMIN = "sk-test-key", "admin-test-key"

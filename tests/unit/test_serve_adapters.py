@@ -10,17 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from raylora.models import tiny_model
-from raylora.serve.adapters import (
-    AdapterError,
-    check_compatible,
-    check_name,
-    fetch_registered,
-    install,
-    list_local,
-    list_registered,
-    local_adapter,
-    register,
-)
+from raylora.registry import AdapterError, check_name, list_registered, register
+from raylora.serve.adapters import fetch_registered, install, list_local, local_adapter
+from raylora.serve.compat import check_compatible
 
 
 def save_adapter(folder: Path, model=None, **lora) -> Path:
