@@ -12,8 +12,12 @@ Runs, back to back in this process:
   transformers serve      `transformers serve <folder> --continuous-batching` (the named baseline)
   multi-LoRA              8 random rank-8 adapters: one adapter only vs all 8 round-robin; replica memory
                           with 8 adapters loaded vs the base alone
+  prefill                 16 clients streaming while one 4,000-token prompt arrives: the p99 gap between
+                          tokens of the 16 streams with chunked prefill (serve.max_prefill_tokens) and with
+                          every prompt prefilled whole, against the streams' gap with no long prompt
+  decode                  the engine alone, batch 1: decode tokens/s over 64 and over 2,048 generated tokens
 
-    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora] [--dtype float32]
+    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora,prefill,decode]
 """
 
 from __future__ import annotations
@@ -259,6 +263,107 @@ def multi_lora(dtype: str, clients: int, n: int) -> dict:
     return out
 
 
+def stream_tokens(url: str, model: str, clients: int, stop: threading.Event):
+    """``clients`` threads streaming 128-token answers until ``stop``.
+
+    Returns:
+        ``(arrivals, threads)``: per client, the times its tokens arrived (None between two requests).
+    """
+    qs = questions(clients)
+    arrivals: list[list[float]] = [[] for _ in range(clients)]
+
+    def client(i: int) -> None:
+        body = {"model": model, "messages": qs[i], "max_tokens": 128, "temperature": 0, "stream": True}
+        while not stop.is_set():
+            with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {") and b'"content"' in line:
+                        arrivals[i].append(time.monotonic())
+            arrivals[i].append(None)  # a new request: the wait for its first token is not a gap
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    return arrivals, threads
+
+
+def gaps_between(arrivals: list[list[float]], start: float, end: float) -> list[float]:
+    out = []
+    for times in arrivals:
+        for a, b in zip(times, times[1:], strict=False):
+            if a is not None and b is not None and start <= b <= end:
+                out.append(b - a)
+    return out
+
+
+def prefill_run(chunk: int | None, clients: int, long_tokens: int = 4000) -> dict:
+    """The p99 gap between tokens of ``clients`` streams, first alone for 20 s, then while a long prompt prefills."""
+    import ray
+    from ray import serve
+
+    from raylora.config import ModelArgs
+    from raylora.model_files import load_tokenizer
+    from raylora.serve.app import served_name
+    from raylora.serve.launch import APP_NAME, start
+
+    cfg = _config("float32", clients + 1)
+    cfg.serve.max_prefill_tokens = chunk or 10**9
+    url = start(cfg)
+    name = served_name(cfg)
+    load(url, name, 2, 2, 8)  # warm-up
+    tok = load_tokenizer(ModelArgs(name_or_path=MODEL))
+    text = " ".join(q[0]["content"] for q in questions(400))
+    prompt = tok.decode(tok(text).input_ids[:long_tokens])
+    stop = threading.Event()
+    arrivals, threads = stream_tokens(url, name, clients, stop)
+    time.sleep(10)  # every stream running
+    calm_start = time.monotonic()
+    time.sleep(20)
+    calm_end = sent = time.monotonic()
+    body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    r = requests.post(url + "/v1/completions", json=body, timeout=900)
+    r.raise_for_status()
+    prefilled = time.monotonic()
+    stop.set()
+    for t in threads:
+        t.join(300)
+    calm, busy = gaps_between(arrivals, calm_start, calm_end), gaps_between(arrivals, sent, prefilled)
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    ray.shutdown()
+    p99 = lambda xs: statistics.quantiles(xs, n=100)[98]  # noqa: E731
+    return {"chunk": chunk, "prompt_tokens": r.json()["usage"]["prompt_tokens"], "prefill_s": prefilled - sent,
+            "calm_p99_s": p99(calm), "busy_p99_s": p99(busy), "calm_gaps": len(calm), "busy_gaps": len(busy)}  # fmt: skip
+
+
+def decode_speed(lengths=(64, 2048)) -> dict:
+    """Decode tokens/s of the engine alone at batch 1 (end of sequence ignored), over each answer length."""
+    from raylora.config import ModelArgs
+    from raylora.models import load_model
+    from raylora.serve.engine import Engine, GenRequest
+
+    model, tok = load_model(ModelArgs(name_or_path=MODEL))
+    engine = Engine(model.eval(), tok, max_batch_size=1, batch_wait_s=0, threads=1)
+    engine.eos_ids = set()
+    ids = tok(questions(1)[0][0]["content"]).input_ids
+    out = {}
+    for n in lengths:
+        times: list[float] = []
+        done = threading.Event()
+
+        def emit(event, times=times, done=done) -> None:
+            times.append(time.monotonic())
+            if event.final:
+                done.set()
+
+        engine.submit(GenRequest(ids, max_tokens=n, temperature=0), emit)
+        done.wait(3600)
+        out[n] = (n - 1) / (times[-1] - times[0])  # from the first token to the last
+    engine.stop()
+    return out
+
+
 def row(name: str, r: dict) -> str:
     return f"| {name} | {r['tok_s']:.1f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['peak_mb']:.0f} | {r['requests']} |"
 
@@ -269,7 +374,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--quantization", default="w8a8-smoothquant", choices=("none", "w8a8", "w8a8-smoothquant"))
-    p.add_argument("--runs", default="on,off,quant,hf,lora", help="which runs, comma-separated (default: all)")
+    p.add_argument("--runs", default="on,off,quant,hf,lora,prefill,decode", help="which runs, comma-separated")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="serve.max_prefill_tokens of the chunked run")
     args = p.parse_args()
     n, c = args.requests, args.clients
 
@@ -278,12 +384,16 @@ def main() -> None:
     runs["quant"] = lambda: run_ours(_config(args.dtype, 16, args.quantization), c, n)
     runs["hf"] = lambda: run_transformers_serve(args.dtype, c, n)
     runs["lora"] = lambda: multi_lora(args.dtype, c, n)
+    runs["prefill"] = lambda: {"on": prefill_run(args.prefill_chunk, c), "off": prefill_run(None, c)}
+    runs["decode"] = decode_speed
     wanted = args.runs.split(",")
     results = {}
     for key in wanted:
         results[key] = runs[key]()
         print(f"RESULT {key} {json.dumps(results[key])}", flush=True)
     lora = results.pop("lora", None)
+    prefill = results.pop("prefill", None)
+    decode = results.pop("decode", None)
 
     print(f"\n{c} concurrent clients, 64-token answers, SmolLM2-135M-Instruct, {args.dtype}\n")
     print("| server | generated tok/s | p50 s | p99 s | peak memory MiB | requests |\n|---|---|---|---|---|---|")
@@ -304,6 +414,19 @@ def main() -> None:
         s, m = lora["single"], lora["mixed"]
         print(f"best of 2 alternated runs: one adapter {s['tok_s']:.1f} tok/s, 8 adapters round-robin "
               f"{m['tok_s']:.1f} tok/s -> switching costs {100 * (1 - m['tok_s'] / s['tok_s']):.1f}% (target < 5%)")  # fmt: skip
+    if prefill:
+        print(f"\n{c} streams while one {prefill['on']['prompt_tokens']}-token prompt is prefilled "
+              "(p99 gap between a stream's tokens):\n| prefill | prefill time s | p99 gap, no long prompt | "
+              "p99 gap, while it prefills | ratio |\n|---|---|---|---|---|")  # fmt: skip
+        for key, label in (("on", f"chunks of {prefill['on']['chunk']}"), ("off", "whole (no chunks)")):
+            r = prefill[key]
+            print(f"| {label} | {r['prefill_s']:.1f} | {r['calm_p99_s']:.3f} | {r['busy_p99_s']:.3f} | "
+                  f"{r['busy_p99_s'] / r['calm_p99_s']:.2f}x |")  # fmt: skip
+        print("target: chunked <= 3x the gap with no long prompt")
+    if decode:
+        a, b = sorted(decode)
+        print(f"\ndecode, batch 1: {decode[a]:.1f} tok/s over {a} tokens, {decode[b]:.1f} tok/s over {b} tokens "
+              f"-> {decode[b] / decode[a]:.2f}x (target >= 0.85)")  # fmt: skip
 
 
 if __name__ == "__main__":

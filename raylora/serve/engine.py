@@ -208,17 +208,22 @@ class Engine:
                 self._running, self._cache, self._mask, self._next = [], None, None, None
 
     def _next_chunk(self) -> list[_Seq]:
-        """The sequences prefilled this turn: a long prompt alone, or the short ones that fit the budget together."""
-        head = self._prefilling[0]
-        if head.prefilled or len(head.req.prompt_ids) > self.max_prefill_tokens:
-            return [head]
+        """What is prefilled this turn: short prompts together while their padded batch fits the budget, else the
+        next chunk of a long prompt (short ones go first, so a long prompt never delays a new request's first token
+        by more than a chunk; ``max_batch_size`` bounds how long they can keep it waiting)."""
         chunk, width = [], 0
         for seq in self._prefilling:
+            if self._long(seq):
+                continue
             width = max(width, len(seq.req.prompt_ids))
-            if seq.prefilled or width * (len(chunk) + 1) > self.max_prefill_tokens:
+            if width * (len(chunk) + 1) > self.max_prefill_tokens:
                 break
             chunk.append(seq)
-        return chunk
+        return chunk or [next((s for s in self._prefilling if s.prefilled), self._prefilling[0])]
+
+    def _long(self, seq: _Seq) -> bool:
+        """Whether ``seq``'s prompt is prefilled in chunks."""
+        return seq.prefilled > 0 or len(seq.req.prompt_ids) > self.max_prefill_tokens
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache):
         kwargs = {}
@@ -233,7 +238,7 @@ class Engine:
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         """One prefill forward: the next ``max_prefill_tokens`` of one long prompt, or several short prompts whole."""
-        if len(seqs) == 1 and (seqs[0].prefilled or len(seqs[0].req.prompt_ids) > self.max_prefill_tokens):
+        if self._long(seqs[0]):
             seq = seqs[0]
             start = seq.prefilled
             end = min(len(seq.req.prompt_ids), start + self.max_prefill_tokens)
