@@ -289,10 +289,11 @@ def stream_tokens(url: str, model: str, clients: int, stop: threading.Event):
 
 
 def gaps_between(arrivals: list[list[float]], start: float, end: float) -> list[float]:
+    """Gaps between consecutive tokens of a stream that overlap ``[start, end]`` (a stall spanning it counts)."""
     out = []
     for times in arrivals:
         for a, b in zip(times, times[1:], strict=False):
-            if a is not None and b is not None and start <= b <= end:
+            if a is not None and b is not None and a <= end and b >= start:
                 out.append(b - a)
     return out
 
