@@ -128,6 +128,18 @@ class TrainArgs:
     keep_checkpoints: int = _f(2, help="checkpoints kept (the newest)", min=1)
     max_failures: int = _f(2, help="worker-group restarts from the last checkpoint before the run fails", min=0)
     nan_tolerance: int = _f(5, help="non-finite steps in a row before rolling back to the last good checkpoint", min=1)
+    comm_hook: str = _f(
+        "none",
+        help="gradient all-reduce: none (fp32), fp16 / bf16 (cast on the wire), powersgd (low rank, error feedback), "
+        "topk (largest entries with error feedback)",
+        choices=("none", "fp16", "bf16", "powersgd", "topk"),
+    )
+    topk_fraction: float = _f(0.01, help="share of each gradient bucket the topk hook sends", gt=0, max=1)
+    powersgd_rank: int = _f(1, help="rank of PowerSGD's low-rank approximation", min=1)
+    powersgd_warmup: int = _f(
+        2, help="steps of plain all-reduce before PowerSGD compresses (PyTorch needs at least 2)", min=2
+    )
+    bucket_mb: float = _f(25.0, help="DDP gradient bucket size in MiB (LoRA's gradients fit one bucket)", gt=0)
 
 
 @dataclass

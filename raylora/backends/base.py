@@ -44,6 +44,10 @@ class Backend:
         """The worker's device; Ray's visible-devices variable makes local index ``local_rank`` valid."""
         return torch.device("cpu") if self.name == "cpu" else torch.device(self.name, local_rank)
 
+    def ddp_device_ids(self, device: torch.device) -> list[int] | None:
+        """``device_ids`` for ``DistributedDataParallel``: the worker's accelerator, none on cpu."""
+        return None if self.name == "cpu" else [device.index]
+
     def scaling(self, num_workers: int, cpus_per_worker: float = 1.0) -> dict[str, Any]:
         """Keyword arguments for ``ray.train.ScalingConfig``: NPUs are a custom resource with use_gpu=False."""
         if self.ray_resource == "GPU":

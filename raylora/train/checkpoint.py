@@ -6,6 +6,7 @@ Layout of a checkpoint folder::
     state.pt       optimizer, scheduler, grad scaler, step, data position, NaN-guard state
     meta.json      base model and LoRA shape, to refuse a checkpoint of another model
     history.json   logged metrics so far (for the loss plot)
+    comm/rank<N>.pt  each rank's communication-hook state (topk residuals, PowerSGD errors), with train.comm_hook
 """
 
 from __future__ import annotations
@@ -87,6 +88,27 @@ def load(folder: Path, model, optimizer, scheduler, scaler) -> TrainState:
     scheduler.load_state_dict(saved["scheduler"])
     scaler.load_state_dict(saved["scaler"])
     return TrainState(**saved["state"])
+
+
+def save_comm(folder: Path, hook, rank: int) -> None:
+    """Write this rank's communication-hook state (:class:`raylora.comm.hooks.CommHook`) into ``folder``."""
+    (folder / "comm").mkdir(exist_ok=True)
+    torch.save(hook.state_dict(), folder / "comm" / f"rank{rank}.pt")
+
+
+def load_comm(folder: Path, hook, rank: int, world: int) -> str | None:
+    """Restore this rank's hook state; returns a note when it cannot be (another worker count or hook)."""
+    saved = sorted((folder / "comm").glob("rank*.pt")) if (folder / "comm").is_dir() else []
+    if len(saved) != world:
+        return (
+            f"the checkpoint holds communication-hook state for {len(saved)} workers, this run has {world}: "
+            f"train.comm_hook={hook.name} starts with empty error feedback"
+        )
+    state = torch.load(folder / "comm" / f"rank{rank}.pt", weights_only=False)
+    if ("powersgd" in state) != (hook.powersgd is not None):
+        return f"the checkpoint was written with another train.comm_hook: {hook.name} starts with empty state"
+    hook.load_state_dict(state)
+    return None
 
 
 def snapshot(model, optimizer, scheduler, scaler, state: TrainState) -> dict[str, Any]:

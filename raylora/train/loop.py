@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from raylora.backends import Backend, resolve_backend
+from raylora.comm.hooks import CommHook, bytes_sent
 from raylora.config import TrainArgs, from_dict
 from raylora.data.collate import collate_packs
 from raylora.models import attach_lora, load_model
@@ -55,6 +56,7 @@ def train_worker(config: dict) -> dict:
     scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
     scaler = torch.amp.GradScaler(backend.name, enabled=backend.needs_grad_scaler)
     state = TrainState()
+    train = cfg.train
     restored = ray.train.get_checkpoint()
     if restored:
         with restored.as_directory() as folder:
@@ -62,22 +64,27 @@ def train_worker(config: dict) -> dict:
             state = ckpt.load(Path(folder), model, optimizer, scheduler, scaler)
         lr_scale[0] = state.lr_scale
     resumed_from = state.step
-    ddp = (
-        DistributedDataParallel(model, device_ids=None if backend.name == "cpu" else [device.index])
-        if world > 1
-        else model
-    )
+    ddp, hook = model, None
+    if world > 1:
+        ddp = DistributedDataParallel(model, device_ids=backend.ddp_device_ids(device), bucket_cap_mb=train.bucket_mb)
+        hook = CommHook(train)
+        hook.register(ddp)
+        if restored:
+            with restored.as_directory() as folder:
+                note = ckpt.load_comm(Path(folder), hook, rank, world)
+            if note and rank == 0:
+                print(note, flush=True)
     last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
     log_metrics = metric_logger(config["tracking_uri"], config["run_id"], rank)
     eval_shard = ray.train.get_dataset_shard("eval") if config["has_eval"] else None
     batches = micro_batches(ray.train.get_dataset_shard("train"), cfg.train.batch_size, state, world)
     mask_dtype = backend.amp_dtype or model.dtype
-    train = cfg.train
     if rank == 0 and resumed_from:
         print(f"resumed from step {resumed_from} (epoch {state.epoch}, {state.rows_in_epoch} rows into it)", flush=True)
 
     bad_in_row = 0
     tokens_seen, started = 0, time.perf_counter()
+    comm_bytes, comm_steps = 0, 0
     while state.step < train.max_steps:
         loss, tokens, grad_norm, position = train_step(
             ddp,
@@ -93,7 +100,10 @@ def train_worker(config: dict) -> dict:
             world,
         )
         state.epoch, state.rows_in_epoch = position
+        comm_bytes, comm_steps = comm_bytes + bytes_sent(), comm_steps + 1
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            if hook is not None:
+                hook.forget()
             state.skipped_steps += 1
             bad_in_row += 1
             if bad_in_row < train.nan_tolerance:
@@ -124,6 +134,9 @@ def train_worker(config: dict) -> dict:
             "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
             "tokens_per_s": tokens_seen / elapsed, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
         }  # fmt: skip
+        if hook is not None:
+            metrics["comm_bytes_per_step"] = comm_bytes / comm_steps
+            comm_bytes, comm_steps = 0, 0
         if evaluate_now and eval_shard is not None:
             metrics.update(
                 evaluate(model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
@@ -144,9 +157,13 @@ def train_worker(config: dict) -> dict:
         if save_now:
             state.lr_scale = lr_scale[0]
             last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
-        with checkpoint_dir(save_now and rank == 0) as folder:
+        # Every rank's hook state differs (residuals, PowerSGD's errors): each rank adds its own file.
+        with checkpoint_dir(save_now and (rank == 0 or hook is not None)) as folder:
             if folder is not None:
-                ckpt.save(folder, model, optimizer, scheduler, scaler, state, cfg)
+                if rank == 0:
+                    ckpt.save(folder, model, optimizer, scheduler, scaler, state, cfg)
+                if hook is not None:
+                    ckpt.save_comm(folder, hook, rank)
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder))
             else:
                 ray.train.report(report)

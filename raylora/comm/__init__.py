@@ -1,0 +1,1 @@
+"""Gradient communication: DDP communication hooks and the byte accounting that measures them."""

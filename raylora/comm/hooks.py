@@ -1,0 +1,150 @@
+"""DDP communication hooks chosen by ``train.comm_hook``, with their state kept for checkpoints.
+
+``none``      all-reduce of the fp32 bucket (DDP's own algorithm, through a hook so its bytes are counted)
+``fp16``      the bucket cast to fp16, all-reduced, cast back (half the bytes)
+``bf16``      the same in bf16: PyTorch's ``bf16_compress_hook`` refuses gloo, this one needs only a backend that
+              all-reduces bf16 (gloo, NCCL, HCCL on Atlas A2 and later)
+``powersgd``  PyTorch's PowerSGD (rank ``train.powersgd_rank``, plain all-reduce for ``train.powersgd_warmup``
+              steps), with error feedback and warm start
+``topk``      the ``train.topk_fraction`` largest entries of each bucket (after adding what earlier steps left
+              out: error feedback), exchanged as values and indices by all-gather and summed into the bucket
+
+Every hook averages over ranks, as DDP does, and sends its collectives through :mod:`raylora.comm.bytes`, so
+``bytes_sent()`` is the payload measured this step. Only ``torch.distributed`` is used: the same hooks run on
+gloo, NCCL and HCCL.
+"""
+
+# no `from __future__ import annotations`: DDP compares the hook's annotations with the real types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+from raylora.comm import bytes as comm_bytes
+from raylora.config import TrainArgs
+
+HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
+_CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+comm_bytes.install(powerSGD_hook)
+_dist = comm_bytes.PROXY
+
+
+class CommHook:
+    """The hook registered on one DDP model, and the state a checkpoint must keep for an exact resume.
+
+    Args:
+        train: ``comm_hook`` and its settings.
+        group: the process group (None: the default group).
+    """
+
+    def __init__(self, train: TrainArgs, group=None):
+        self.name = train.comm_hook
+        self.group = group
+        self.fraction = train.topk_fraction
+        self.residuals: dict[str, torch.Tensor] = {}  # topk's error feedback, per parameter name
+        self.names: dict[torch.nn.Parameter, str] = {}
+        self.powersgd = (
+            powerSGD_hook.PowerSGDState(
+                process_group=group,
+                matrix_approximation_rank=train.powersgd_rank,
+                start_powerSGD_iter=train.powersgd_warmup,
+                min_compression_rate=1,
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=train.seed,
+            )
+            if self.name == "powersgd"
+            else None
+        )
+
+    def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Register this hook on ``ddp``."""
+        self.names = {p: name for name, p in ddp.module.named_parameters()}
+        if self.name == "powersgd":
+            ddp.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
+        elif self.name == "topk":
+            ddp.register_comm_hook(self, _topk_hook)
+        else:
+            ddp.register_comm_hook(self, _cast_hook)
+
+    def forget(self) -> None:
+        """Drop the error feedback: after a non-finite step it holds NaN or inf, which would poison every later step."""
+        self.residuals.clear()
+        if self.powersgd is not None:
+            for memory in (self.powersgd.error_dict, self.powersgd.p_memory_dict, self.powersgd.q_memory_dict):
+                memory.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's hook state: topk residuals or PowerSGD's errors and warm-start factors."""
+        if self.powersgd is not None:
+            return {"powersgd": self.powersgd.__getstate__()}
+        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if self.powersgd is not None:
+            self.powersgd.__setstate__(saved["powersgd"])
+            self.powersgd.process_group = self.group
+        else:
+            self.residuals = {k: v.clone() for k, v in saved["residuals"].items()}
+
+
+def bytes_sent() -> int:
+    """Payload bytes this rank handed to collectives since the last call."""
+    return comm_bytes.COUNTER.take()
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _cast_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce the bucket's mean, in fp32 (``none``) or cast to fp16 / bf16 on the wire."""
+    buffer = bucket.buffer()
+    wire = buffer.to(_CAST[hook.name]) if hook.name in _CAST else buffer
+    wire.div_(_world(hook.group))
+    future = _dist.all_reduce(wire, group=hook.group, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def _topk_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Send the largest ``fraction`` of the bucket (plus its residual) as (values, int32 indices); keep the rest.
+
+    Each rank all-gathers the others' selections, scatter-adds them into a zero bucket and divides by the
+    number of ranks. The entries a rank did not send are its residual, added to the same bucket next step.
+    """
+    buffer = bucket.buffer()
+    # Residuals are kept per parameter: DDP lays its buckets out anew after the first step (and after a resume).
+    names = [hook.names[p] for p in bucket.parameters()]
+    sizes = [p.numel() for p in bucket.parameters()]
+    corrected = buffer.float() + torch.cat(
+        [
+            hook.residuals.get(n, buffer.new_zeros(size, dtype=torch.float32))
+            for n, size in zip(names, sizes, strict=True)
+        ]
+    )
+    k = max(1, round(hook.fraction * corrected.numel()))
+    index = corrected.abs().topk(k, sorted=False).indices
+    values = corrected[index]
+    corrected[index] = 0
+    hook.residuals.update(zip(names, corrected.split(sizes), strict=True))
+    # values and indices travel as one float32 tensor: the indices' bits reinterpreted, never converted
+    packed = torch.cat([values, index.to(torch.int32).view(torch.float32)])
+    world = _world(hook.group)
+    gathered = [torch.empty_like(packed) for _ in range(world)]
+    future = _dist.all_gather(gathered, packed, group=hook.group, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        for part in gathered:
+            total.index_add_(0, part[k:].view(torch.int32).long(), part[:k])
+        buffer.copy_(total.div_(world))
+        return buffer
+
+    return future.then(decompress)
