@@ -168,3 +168,27 @@ def test_streaming_fails_the_run_when_too_many_rows_are_rejected(tmp_path):
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.info.status == "FAILED"
+
+
+def test_a_compression_hook_trains_logs_its_bytes_and_resumes_with_every_ranks_state(tmp_path):
+    cfg = job(tmp_path, "train.max_steps=4", "train.checkpoint_every=2", "train.comm_hook=topk",
+              "train.topk_fraction=0.05")  # fmt: skip
+    first = fit(cfg, log=lambda s: None)
+    saved = sorted(checkpoints(tmp_path / "run"))[-1]
+    assert sorted(p.name for p in (saved / "comm").iterdir()) == ["rank0.pt", "rank1.pt"]
+    resumed = fit(job(tmp_path, "train.max_steps=6", "train.checkpoint_every=2", "train.comm_hook=topk",
+                      "train.topk_fraction=0.05"), log=lambda s: None)  # fmt: skip
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == 6
+    history = first["history"] + resumed["history"]
+    sent = [h["comm_bytes_per_step"] for h in history]
+    lora_bytes = 4 * sum(p.numel() for n, p in _lora_model(cfg).named_parameters() if "lora_" in n)
+    # 5% of the entries, as values and int32 indices: a tenth of the fp32 gradient, and never more
+    assert all(0 < s <= 0.1 * lora_bytes + 64 for s in sent), (sent, lora_bytes)
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    assert [m.step for m in client.get_metric_history(first["run_id"], "comm_bytes_per_step")] == [2, 4]
+
+
+def _lora_model(cfg):
+    from raylora.models import attach_lora
+
+    return attach_lora(tiny_model("llama"), cfg.lora)
