@@ -34,6 +34,7 @@ HOOKS = [
     {"comm_hook": "powersgd", "powersgd_rank": 4},
     {"comm_hook": "topk", "topk_fraction": 0.05},
     {"comm_hook": "topk", "topk_fraction": 0.01},
+    {"comm_hook": "sign"},
 ]
 
 

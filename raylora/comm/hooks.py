@@ -8,6 +8,9 @@
               steps), with error feedback and warm start
 ``topk``      the ``train.topk_fraction`` largest entries of each bucket (after adding what earlier steps left
               out: error feedback), exchanged as values and indices by all-gather and summed into the bucket
+``sign``      one bit per entry, the sign, and one scale per tensor (its mean absolute value), with error feedback:
+              about 1/32 of the bytes, and every entry moves every step, which suits Adam better than top-k's
+              sparse updates (bench/comm.py measures both)
 
 Every hook averages over ranks, as DDP does, and sends its collectives through :mod:`raylora.comm.bytes`, so
 ``bytes_sent()`` is the payload measured this step. Only ``torch.distributed`` is used: the same hooks run on
@@ -24,7 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from raylora.comm import bytes as comm_bytes
 from raylora.config import TrainArgs
 
-HOOKS = ("none", "fp16", "bf16", "powersgd", "topk")
+HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "sign")
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 comm_bytes.install(powerSGD_hook)
@@ -66,8 +69,23 @@ class CommHook:
             ddp.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
         elif self.name == "topk":
             ddp.register_comm_hook(self, _topk_hook)
+        elif self.name == "sign":
+            ddp.register_comm_hook(self, _sign_hook)
         else:
             ddp.register_comm_hook(self, _cast_hook)
+
+    def corrected(self, bucket: dist.GradBucket) -> tuple[torch.Tensor, list[str], list[int]]:
+        """The bucket plus the residual each of its parameters kept from earlier steps (fp32), their names and sizes.
+
+        Residuals are kept per parameter: DDP lays its buckets out anew after the first step (and after a resume).
+        """
+        names = [self.names[p] for p in bucket.parameters()]
+        sizes = [p.numel() for p in bucket.parameters()]
+        buffer = bucket.buffer()
+        residual = [
+            self.residuals.get(n, buffer.new_zeros(k, dtype=torch.float32)) for n, k in zip(names, sizes, strict=True)
+        ]
+        return buffer.float() + torch.cat(residual), names, sizes
 
     def forget(self) -> None:
         """Drop the error feedback: after a non-finite step it holds NaN or inf, which would poison every later step."""
@@ -120,15 +138,7 @@ def _topk_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[
     number of ranks. The entries a rank did not send are its residual, added to the same bucket next step.
     """
     buffer = bucket.buffer()
-    # Residuals are kept per parameter: DDP lays its buckets out anew after the first step (and after a resume).
-    names = [hook.names[p] for p in bucket.parameters()]
-    sizes = [p.numel() for p in bucket.parameters()]
-    corrected = buffer.float() + torch.cat(
-        [
-            hook.residuals.get(n, buffer.new_zeros(size, dtype=torch.float32))
-            for n, size in zip(names, sizes, strict=True)
-        ]
-    )
+    corrected, names, sizes = hook.corrected(bucket)
     k = max(1, round(hook.fraction * corrected.numel()))
     index = corrected.abs().topk(k, sorted=False).indices
     values = corrected[index]
@@ -148,3 +158,51 @@ def _topk_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[
         return buffer
 
     return future.then(decompress)
+
+
+def _sign_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Send each entry's sign as one bit and each tensor's mean absolute value; keep what that misses.
+
+    Each rank all-gathers the others' bits and scales (uint8), rebuilds ``sign * scale`` per tensor, sums and
+    divides by the number of ranks. ``corrected - sign * scale`` is the residual added next step.
+    """
+    buffer = bucket.buffer()
+    corrected, names, sizes = hook.corrected(bucket)
+    scales = torch.stack([part.abs().mean() for part in corrected.split(sizes)])
+    positive = corrected >= 0
+    sent = _signed(positive, scales, sizes)
+    hook.residuals.update(zip(names, (corrected - sent).split(sizes), strict=True))
+    packed = torch.cat([_pack_bits(positive), scales.view(torch.uint8)])
+    world = _world(hook.group)
+    gathered = [torch.empty_like(packed) for _ in range(world)]
+    future = _dist.all_gather(gathered, packed, group=hook.group, async_op=True).get_future()
+    bits = packed.numel() - 4 * len(sizes)
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        for part in gathered:
+            total += _signed(_unpack_bits(part[:bits], buffer.numel()), part[bits:].view(torch.float32), sizes)
+        buffer.copy_(total.div_(world))
+        return buffer
+
+    return future.then(decompress)
+
+
+_BITS = 2 ** torch.arange(8, dtype=torch.uint8)
+
+
+def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """A bool vector as uint8 bytes, 8 flags a byte (zero-padded at the end)."""
+    padded = torch.zeros(-(-flags.numel() // 8) * 8, dtype=torch.uint8, device=flags.device)
+    padded[: flags.numel()] = flags
+    return (padded.view(-1, 8) * _BITS.to(flags.device)).sum(1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return (packed[:, None] & _BITS.to(packed.device)).ne(0).flatten()[:n]
+
+
+def _signed(positive: torch.Tensor, scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``+scale`` where ``positive``, else ``-scale``, each tensor of the bucket with its own scale."""
+    magnitude = torch.repeat_interleave(scales, torch.tensor(sizes, device=scales.device))
+    return torch.where(positive, magnitude, -magnitude)

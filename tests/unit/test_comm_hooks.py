@@ -141,7 +141,10 @@ LOSSLESS = [  # hook options, tolerance against plain all-reduce, payload bytes 
 
 
 def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
-    cases = [options for options, _, _ in LOSSLESS] + [{"comm_hook": "topk", "topk_fraction": 0.05}]
+    cases = [options for options, _, _ in LOSSLESS] + [
+        {"comm_hook": "sign"},
+        {"comm_hook": "topk", "topk_fraction": 0.05},
+    ]
     results = run("grads", tmp_path, cases)
     for (options, tolerance, per_entry), ranks in zip(LOSSLESS, results, strict=False):
         for result in ranks:
@@ -151,6 +154,20 @@ def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
                     msg=lambda m, o=options: f"{o}: {m}",
                 )  # fmt: skip
             assert result["bytes"] == per_entry * _numel(result["reference"]), options
+    sign = results[-2]
+    scaled = []
+    for rank, result in enumerate(sign):  # one bit an entry, one scale per tensor
+        local = _local_grads(rank)
+        assert result["bytes"] == sum(
+            -(-g.numel() // 8) for g in [torch.cat([x.flatten() for x in local.values()])]
+        ) + 4 * len(local)
+        sent = {n: torch.where(g >= 0, g.abs().mean(), -g.abs().mean()) for n, g in local.items()}
+        for name, g in local.items():
+            torch.testing.assert_close(result["residuals"][name], (g - sent[name]).flatten())
+        scaled.append(sent)
+    for result in sign:
+        for name in result["grads"]:
+            torch.testing.assert_close(result["grads"][name], (scaled[0][name] + scaled[1][name]) / 2)
     for rank, result in enumerate(results[-1]):  # topk at 5%: error feedback
         n = _numel(result["reference"])
         assert result["bytes"] == 8 * round(0.05 * n)  # one bucket: a 90% cut against 4 bytes an entry
@@ -172,6 +189,7 @@ def _local_grads(rank: int) -> dict:
 def test_every_hook_trains(tmp_path):
     cases = [{"comm_hook": h} for h in ("none", "fp16", "bf16")]
     cases += [{"comm_hook": "powersgd", "powersgd_rank": 2}, {"comm_hook": "topk", "topk_fraction": 0.05}]
+    cases += [{"comm_hook": "sign"}]
     for options, ranks in zip(cases, run("train", tmp_path, cases), strict=True):
         for result in ranks:
             losses = result["losses"]
@@ -188,3 +206,12 @@ def test_resume_with_hook_state_is_exact_for_topk_and_close_for_powersgd(tmp_pat
     for result in powersgd:
         assert result["resumed"][:4] == result["straight"][:4]
         torch.testing.assert_close(result["resumed"], result["straight"], rtol=1e-2, atol=0)
+
+
+def test_bits_pack_and_unpack():
+    from raylora.comm.hooks import _pack_bits, _unpack_bits
+
+    flags = torch.rand(1001, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = _pack_bits(flags)
+    assert packed.dtype == torch.uint8 and packed.numel() == 126
+    assert torch.equal(_unpack_bits(packed, 1001), flags)
