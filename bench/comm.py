@@ -78,11 +78,30 @@ def _run(options: dict, steps: int, rank: int) -> dict:
     return {"bytes": statistics.mean(sent[3:]), "step_s": statistics.median(times[3:]), "eval_loss": eval_loss}
 
 
+SIZES = [4 * 2**10, 64 * 2**10, 1 * 2**20, 16 * 2**20]  # all-reduce payloads timed for the planner's check
+
+
+def _all_reduce_times() -> list[float]:
+    """Median seconds of a gloo all-reduce of each of :data:`SIZES` (fp32) between the 2 processes."""
+    times = []
+    for size in SIZES:
+        tensor = torch.ones(size // 4)
+        runs = []
+        for _ in range(15):
+            dist.barrier()
+            started = time.perf_counter()
+            dist.all_reduce(tensor)
+            runs.append(time.perf_counter() - started)
+        times.append(statistics.median(runs))
+    return times
+
+
 def _worker(rank: int, port: int, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results = [_run(options, steps, rank) for options in HOOKS]
+    results.append(_all_reduce_times())
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -97,6 +116,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_worker, args=(port, args.steps, out), nprocs=2)
         results = torch.load(f"{out}/rank0.pt", weights_only=False)
+    measured = results.pop()
     base = results[0]
     print(f"\n2 gloo workers, tiny Llama + rank-8 LoRA, {args.steps} steps; rank 0's figures\n")
     print("| hook | bytes sent per step | vs none | step time ms | vs none | eval loss | vs none |")
@@ -107,6 +127,24 @@ def main() -> None:
               f"{r['step_s'] / base['step_s']:.2f}x | {r['eval_loss']:.4f} | "
               f"{100 * (r['eval_loss'] / base['eval_loss'] - 1):+.2f}% |")  # fmt: skip
     print("\ntarget: a hook cuts bytes by >= 90% with eval loss within 1% of none")
+    planner_check(measured)
+
+
+def planner_check(measured: list[float]) -> None:
+    """The planner's ring all-reduce term, its bandwidth and latency fitted on the smallest and largest payloads
+    measured here (loopback gloo), against the measured times of every payload."""
+    from raylora.comm.plan import Link, collective_s
+
+    # on 2 cards the ring costs P / bw + 2 latency
+    bw = (SIZES[-1] - SIZES[0]) / (measured[-1] - measured[0])
+    latency = max(0.0, (measured[0] - SIZES[0] / bw) / 2)
+    link = Link(cards_per_node=2, intra_gbs=bw / 1e9, inter_gbs=bw / 1e9, intra_latency_us=latency * 1e6,
+                inter_latency_us=latency * 1e6, peak_tflops=1.0)  # fmt: skip
+    print(f"\nplanner's all-reduce term against gloo on this machine (fitted: {bw / 1e9:.2f} GB/s, "
+          f"{latency * 1e6:.0f} us latency)\n| payload | predicted ms | measured ms | ratio |\n|---|---|---|---|")  # fmt: skip
+    for size, t in zip(SIZES, measured, strict=True):
+        predicted = collective_s(size, "all_reduce", 2, link)
+        print(f"| {size / 2**10:,.0f} KiB | {1e3 * predicted:.3f} | {1e3 * t:.3f} | {predicted / t:.2f}x |")
 
 
 if __name__ == "__main__":

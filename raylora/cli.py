@@ -14,6 +14,7 @@ COMMANDS = {
     "tune": "sweep LoRA rank and learning rate with Ray Tune",
     "export": "write a merged or quantised model folder",
     "serve": "serve the base model and adapters over an OpenAI-compatible HTTP API",
+    "plan": "predict step time and scaling efficiency on 1 to 256 cards, with and without gradient compression",
     "doctor": "check that this environment can run a job, and say what to fix",
 }
 NOT_YET = {
@@ -32,6 +33,15 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a config value")
         if name == "serve":
             cmd.add_argument("--detach", action="store_true", help="deploy and return; the app keeps serving in Ray")
+        if name == "plan":
+            from raylora.comm.plan import PRESETS
+
+            cmd.add_argument("--cards", default="1,8,16,32,64,128,256", help="card counts, comma-separated")
+            cmd.add_argument("--link-preset", default="atlas800t-a2", choices=sorted(PRESETS), help="cluster links")
+            cmd.add_argument(
+                "--mfu", type=float, help="share of the card's peak a step reaches (default: measured here)"
+            )
+            cmd.add_argument("--out", help="PNG chart path (default: <train.output_dir>/plan.png)")
     return p
 
 
@@ -81,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             except ServeSetupError as e:
                 print(f"raylora serve: {e}", file=sys.stderr)
                 return 2
+        elif args.command == "plan":
+            run_plan(cfg, args)
         elif args.command == "train":
             from raylora.train.fit import fit
 
@@ -93,6 +105,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raylora {args.command}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_plan(cfg, args) -> None:
+    """``raylora plan``: print the predicted table and write the chart."""
+    from pathlib import Path
+
+    from raylora.comm.plan import PRESETS, chart, measure_mfu, predict, table
+
+    try:
+        cards = [int(c) for c in args.cards.split(",")]
+    except ValueError:
+        raise ValueError(f"--cards takes whole numbers separated by commas, e.g. 8,16,32; got {args.cards!r}") from None
+    mfu = args.mfu if args.mfu is not None else measure_mfu(cfg)
+    link = PRESETS[args.link_preset]
+    rows = predict(cfg, cards, link, mfu)
+    print(f"{cfg.model.name_or_path} + LoRA r={cfg.lora.rank} on {args.link_preset}, MFU {mfu:.2f}"
+          f"{' (given)' if args.mfu is not None else ' (measured on this machine)'}; "
+          f"{cfg.train.batch_size} x {cfg.data.cutoff_len} tokens x {cfg.train.grad_accum} micro-batches per card per step\n")  # fmt: skip
+    print(table(rows))
+    out = Path(args.out or Path(cfg.train.output_dir) / "plan.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    chart(rows, out, f"{Path(cfg.model.name_or_path).name}, LoRA r={cfg.lora.rank}, {args.link_preset}")
+    print(f"\nchart: {out}")
 
 
 def main_entry() -> None:
