@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from raylora.config import DataArgs, from_dict, to_dict
 from raylora.data.encode import IGNORE_INDEX, Encoder, TokenizerSpec
-from raylora.data.formats import RowError, to_messages
+from raylora.data.formats import RowError, to_conversation
 from raylora.data.packing import pack_lengths
 
 
@@ -88,7 +88,11 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
             rejects.append({**r, "reason": f"not valid JSON ({e.msg})"})
             continue
         try:
-            conversations.append(to_messages(row, source["format"], source["columns"], data.placeholders))
+            conversations.append(
+                to_conversation(
+                    row, source["format"], source["columns"], data.placeholders, data.mask_history, data.drop_reasoning
+                )
+            )
             kept.append(r)
         except RowError as e:
             rejects.append({**r, "reason": str(e)})
