@@ -45,11 +45,17 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
     plan: dict[str, dict[str, Any]] = {}
     problems = []
     registry = None
+    if any(source.name is not None for source in data.sources):
+        try:
+            registry = load_registry(data.dataset_info)
+        except RegistryError as e:
+            problems.append(str(e))
     for k, source in enumerate(data.sources):
         path, fmt_declared, columns = source.path, source.format, source.columns
         if source.name is not None:
+            if registry is None:
+                continue
             try:
-                registry = registry or load_registry(data.dataset_info)
                 entry = resolve(registry, data.dataset_info, source.name)
             except RegistryError as e:
                 problems.append(f"data.sources[{k}].name: {e}")
@@ -95,7 +101,7 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
                 continue
             plan[path] = {"format": fmt, "columns": columns, "weight": source.weight}
     if problems:
-        raise DataError("data problems:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
+        raise DataError("data problems:\n  - " + "\n  - ".join(problems))
     return plan
 
 
