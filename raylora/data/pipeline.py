@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from raylora.config import DataArgs, JobConfig, to_dict
+from raylora.data.dataset_info import RegistryError, load_registry, resolve
 from raylora.data.encode import TokenizerSpec, tokenizer_spec
 from raylora.data.formats import DEFAULT_COLUMNS, FORMATS, Conversation, RowError, detect_format, to_conversation
 from raylora.data.read import RawRowsDatasource, expand, first_row, iter_raw
-from raylora.data.registry import RegistryError, load_registry, resolve
 from raylora.data.transforms import encode_batch, pack_batch, select_split, unit_hash, worker_spec, write_shard
 from raylora.model_files import load_tokenizer
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from raylora.config import ConfigError, load_config
+from raylora.data.dataset_info import RegistryError, load_registry, resolve
 from raylora.data.pipeline import DataError, plan_sources
-from raylora.data.registry import RegistryError, load_registry, resolve
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 
