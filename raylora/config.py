@@ -29,8 +29,8 @@ def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, **
 
 @dataclass
 class SourceArgs:
-    path: str = _f(
-        "", help="a .json (array), .jsonl, .parquet or .csv file, a folder of them, or a glob", nonempty=True
+    path: str | None = _f(
+        None, help="a .json (array), .jsonl, .parquet or .csv file, a folder of them, or a glob (or give name)"
     )
     format: str = _f(
         "auto",
@@ -41,13 +41,18 @@ class SourceArgs:
         1.0, help="row multiplier when mixing: 0.5 keeps a seeded half of the rows, 2 repeats each twice", gt=0
     )
     columns: dict[str, str] = _f(
-        help="format field or sharegpt tag -> this file's name, e.g. {output: response, user_tag: user}", factory=dict
+        help="format field or sharegpt tag -> this file's name, e.g. {output: response, user_tag: user, tools: functions}",
+        factory=dict,
     )
+    name: str | None = _f(None, help="a dataset of data.dataset_info, instead of a path")
 
 
 @dataclass
 class DataArgs:
     sources: list[SourceArgs] = _f(help="datasets to read and mix", factory=list)
+    dataset_info: str | None = _f(
+        None, help="a LLaMA-Factory dataset_info.json; data.sources[].name picks its datasets (file_name beside it)"
+    )
     template: str = _f(
         "auto",
         help="chat template: the tokenizer's own (auto; chatml if it has none) or a named fallback",
@@ -59,6 +64,10 @@ class DataArgs:
     )
     packing: bool = _f(True, help="pack several examples into each sequence (block-diagonal attention)")
     train_on_prompt: bool = _f(False, help="learn prompt tokens too, not only the assistant turns")
+    mask_history: bool = _f(
+        False, help="learn only each row's last assistant turn (a row's own mask_history field overrides this)"
+    )
+    drop_reasoning: bool = _f(False, help="leave reasoning parts out instead of rendering them before the answer")
     eval_fraction: float = _f(0.0, help="fraction of rows held out for evaluation", min=0.0, lt=1.0)
     eval_count: int | None = _f(None, help="number of rows held out for evaluation (instead of eval_fraction)", min=1)
     seed: int = _f(42, help="seed of the train/eval split and of weight sampling")
@@ -283,6 +292,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for item in overrides or []:
         _apply_override(raw, item, problems)
     cfg = _build(JobConfig, raw, "", problems)
+    _check_sources(cfg.data, problems)
     if not problems:
         _check_relations(cfg, problems)
     if problems:
@@ -294,6 +304,7 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
     """Validate a plain dict (as produced by :func:`to_dict`) into a :class:`JobConfig`."""
     problems: list[tuple[str, str]] = []
     cfg = _build(JobConfig, data, "", problems)
+    _check_sources(cfg.data, problems)
     if not problems:
         _check_relations(cfg, problems)
     if problems:
@@ -426,6 +437,27 @@ def _check_relations(cfg: JobConfig, problems: list[tuple[str, str]]) -> None:
         problems.append(("data.eval_count", "set either data.eval_fraction or data.eval_count, not both"))
     if cfg.tune.lr_min > cfg.tune.lr_max:
         problems.append(("tune.lr_min", f"got {cfg.tune.lr_min}, must not exceed tune.lr_max ({cfg.tune.lr_max})"))
+
+
+def _check_sources(data: DataArgs, problems: list[tuple[str, str]]) -> None:
+    """Each source gives a path or a registry name (checked beside the type errors: it is one of them to a user)."""
+    for k, source in enumerate(data.sources):
+        where = f"data.sources[{k}]"
+        if source.path is None and source.name is None:
+            problems.append(
+                (f"{where}.path", "is required: a data file, folder or glob (or a name from data.dataset_info)")
+            )
+        elif source.path is not None and source.name is not None:
+            problems.append((where, f"give path or name, not both (path {source.path!r}, name {source.name!r})"))
+        elif source.path is not None and not source.path:
+            problems.append((f"{where}.path", "must not be empty (a data file, folder or glob)"))
+        elif source.name is not None and data.dataset_info is None:
+            problems.append(
+                (
+                    f"{where}.name",
+                    f"names dataset {source.name!r}, but data.dataset_info (the registry file) is not set",
+                )
+            )
 
 
 def _unknown(key: str, valid: list[str]) -> str:

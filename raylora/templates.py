@@ -1,5 +1,7 @@
 """Chat templates raylora ships: used when a tokenizer has none, or when a job names one."""
 
+import json
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -14,6 +16,41 @@ ALPACA = (
 )
 FALLBACK_TEMPLATES = {"chatml": CHATML, "alpaca": ALPACA}
 
+# Tools for templates that do not render them (the "hermes" fallback): the function schemas in the system
+# message, calls as <tool_call> JSON in the assistant's text, results in a user turn, as Qwen2.5 and Hermes 2 Pro
+# are trained to read them.
+HERMES_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+HERMES_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>"
+)
+
+
+def hermes_tools(tools: list[dict]) -> str:
+    """The system text that shows ``tools`` (OpenAI function schemas), one JSON schema a line."""
+    return HERMES_TOOLS_HEADER + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + HERMES_TOOLS_FOOTER
+
+
+def hermes_tool_call(call: dict) -> str:
+    """One tool call (``{"type": "function", "function": {"name", "arguments"}}``) as the assistant writes it."""
+    fn = call["function"]
+    arguments = json.dumps(fn["arguments"], ensure_ascii=False)
+    return f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def hermes_tool_response(content: str) -> str:
+    """A tool's result as the user turn that carries it back shows it."""
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def think(reasoning: str, content: str) -> str:
+    """An answer with its reasoning before it, for templates with no field of their own for reasoning."""
+    return f"<think>\n{reasoning}\n</think>\n\n{content}"
+
 
 def compile_template(source: str):
     """A chat template compiled as Hugging Face tokenizers render it, with jinja2 alone.
@@ -24,7 +61,6 @@ def compile_template(source: str):
     underscore names. Data workers use this instead of importing transformers, which costs each new
     worker process about 0.4 s.
     """
-    import json
     from datetime import datetime
 
     import jinja2

@@ -3,6 +3,11 @@
 The template is rendered prefix by prefix (everything before an assistant turn, then through its
 end), so the boundary between what is read and what is learned is exactly where the template puts
 it, for any template. All segments of a batch are tokenised together (:mod:`raylora.data.tokenize`).
+
+Tools, tool calls and reasoning go to the template in the fields it reads, found by rendering probes
+once per encoder: ``tools=`` and ``tool_calls`` when it renders them, else the Hermes fallback
+(:func:`~raylora.templates.hermes_tools`); reasoning in its own field (``reasoning_content``,
+``thinking``) when it renders one, else as ``<think>...</think>`` before the answer.
 """
 
 from __future__ import annotations
@@ -11,12 +16,31 @@ import itertools
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from jinja2 import TemplateError
 
-from raylora.data.formats import Message, RowError
+from raylora.data.formats import Conversation, Message, RowError
 from raylora.data.tokenize import PieceTokenizer
-from raylora.templates import CHATML, FALLBACK_TEMPLATES, compile_template
+from raylora.templates import (
+    CHATML,
+    FALLBACK_TEMPLATES,
+    compile_template,
+    hermes_tool_call,
+    hermes_tool_response,
+    hermes_tools,
+    think,
+)
 
 IGNORE_INDEX = -100
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as Qwen3, gpt-oss and others name it
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "raylora_probe",
+        "description": "raylora probe description",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
+_PROBE_CALL = {"type": "function", "function": {"name": "raylora_probe", "arguments": {"q": "raylora probe value"}}}
 
 
 @dataclass(frozen=True)
@@ -90,30 +114,138 @@ class Encoder:
         self.template = compile_template(spec.template)
         self.specials = spec.specials
         self.cutoff_len, self.truncation, self.train_on_prompt = cutoff_len, truncation, train_on_prompt
+        self.native_tools = self._renders_tools()
+        self.reasoning_field = self._reasoning_field()
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
+    def render(self, messages: list[Message], add_generation_prompt: bool = False, tools: list | None = None) -> str:
+        return self.template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.specials
+        )
 
-    def segments(self, messages: list[Message]) -> list[tuple[str, bool]]:
-        """``[(text, learned), ...]`` whose concatenation is the rendered conversation."""
-        if messages[0]["role"] == "text":
-            return [(messages[0]["content"] + self.specials.get("eos_token", ""), True)]
+    def _probe(self, messages: list[Message], marks: tuple[str, ...], tools: list | None = None) -> bool:
+        """Whether the template renders ``messages`` with every one of ``marks`` in its text."""
+        try:
+            text = self.render(messages, tools=tools)
+        except Exception:  # a template may refuse the probe any way it likes (raise_exception, a type error)
+            return False
+        return all(mark in text for mark in marks)
+
+    def _renders_tools(self) -> bool:
+        """Whether the template shows ``tools=``, assistant ``tool_calls`` and ``tool`` turns itself."""
+        messages = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+            {"role": "tool", "content": "raylora probe result"},
+            {"role": "assistant", "content": "a"},
+        ]
+        marks = ("raylora probe description", "raylora probe value", "raylora probe result")
+        return self._probe(messages, marks, [_PROBE_TOOL])
+
+    def _reasoning_field(self) -> str | None:
+        """The assistant message field the template renders reasoning from, or None."""
+        for field in REASONING_FIELDS:
+            turn = {"role": "assistant", "content": "a", field: "raylora probe thought"}
+            if self._probe([{"role": "user", "content": "q"}, turn], ("raylora probe thought",)):
+                return field
+        return None
+
+    def template_view(self, conversation: Conversation) -> tuple[list[Message], list[bool], list | None]:
+        """The messages as the template reads them, whether each is learned, and the ``tools=`` to render with.
+
+        A message is learned by its ``loss_weight``, else when it is an assistant turn. Without the template's
+        own support, tools join the system message, tool calls the assistant's text and tool results a user
+        turn (consecutive results share one), all as the Hermes fallback writes them.
+        """
+        messages, tools = conversation.messages, conversation.tools
+        if tools is None and all(len(m) == 2 and m["role"] != "tool" for m in messages):  # nothing to adapt
+            return messages, [m["role"] == "assistant" for m in messages], None
+        view: list[Message] = []
+        learned: list[bool] = []
+        after_tool = False
+        for m in messages:
+            weight = m.get("loss_weight")
+            lrn = m["role"] == "assistant" if weight is None else weight > 0
+            content = m["content"]
+            out: Message = {"role": m["role"]}
+            if m.get("tool_calls"):
+                if self.native_tools:
+                    out["tool_calls"] = m["tool_calls"]
+                else:
+                    content = "\n".join([content] * bool(content) + [hermes_tool_call(c) for c in m["tool_calls"]])
+            if "reasoning" in m:
+                if self.reasoning_field:
+                    out[self.reasoning_field] = m["reasoning"]
+                else:
+                    content = think(m["reasoning"], content)
+            out["content"] = content
+            if m["role"] == "tool" and not self.native_tools:
+                if after_tool:
+                    view[-1]["content"] += "\n" + hermes_tool_response(content)
+                    learned[-1] = learned[-1] or lrn
+                    continue
+                out = {"role": "user", "content": hermes_tool_response(content)}
+            after_tool = m["role"] == "tool"
+            view.append(out)
+            learned.append(lrn)
+        if tools is not None and not self.native_tools:
+            if view[0]["role"] == "system":
+                view[0] = {**view[0], "content": view[0]["content"] + "\n\n" + hermes_tools(tools)}
+            else:
+                view.insert(0, {"role": "system", "content": hermes_tools(tools)})
+                learned.insert(0, False)
+            tools = None
+        return view, learned, tools
+
+    def text(self, conversation: Conversation | list[Message]) -> str:
+        """The whole conversation rendered, as training sees it (calibration, perplexity)."""
+        if isinstance(conversation, list):
+            conversation = Conversation(conversation)
+        if conversation.messages[0]["role"] == "text":
+            return self.segments(conversation)[0][0]
+        messages, _, tools = self.template_view(conversation)
+        return self.render(messages, tools=tools)
+
+    def segments(self, conversation: Conversation | list[Message]) -> list[tuple[str, bool]]:
+        """``[(text, learned), ...]`` whose concatenation is the rendered conversation, through its last learned turn.
+
+        Every assistant turn, and every other turn that is learned, is cut out of the rendering at the
+        boundaries the template itself draws: the text before it (with the generation prompt, for an
+        assistant turn) and the text through its end are rendered, and the turn is what the second adds.
+        Raises:
+            RowError: the template refuses the conversation, or does not render it prefix by prefix.
+        """
+        if isinstance(conversation, list):
+            conversation = Conversation(conversation)
+        if conversation.messages[0]["role"] == "text":
+            return [(conversation.messages[0]["content"] + self.specials.get("eos_token", ""), True)]
+        messages, learned, tools = self.template_view(conversation)
         out: list[tuple[str, bool]] = []
         done = ""
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            full = self.render(messages[: i + 1])
-            if not (prompt.startswith(done) and full.startswith(prompt)):
+
+        def cut(text: str, lrn: bool) -> None:
+            nonlocal done
+            if not text.startswith(done):
                 raise RowError(
                     f"the {self.template_name} chat template does not render this conversation prefix by prefix"
                 )
-            out += [(prompt[len(done) :], self.train_on_prompt), (full[len(prompt) :], True)]
-            done = full
+            if len(text) > len(done):
+                out.append((text[len(done) :], lrn))
+            done = text
+
+        try:
+            for i, (message, lrn) in enumerate(zip(messages, learned, strict=True)):
+                if message["role"] == "assistant":
+                    cut(self.render(messages[:i], add_generation_prompt=True, tools=tools), self.train_on_prompt)
+                elif lrn:
+                    cut(self.render(messages[:i], tools=tools) if i else "", self.train_on_prompt)
+                else:
+                    continue
+                cut(self.render(messages[: i + 1], tools=tools), lrn)
+        except TemplateError as e:
+            raise RowError(f"the {self.template_name} chat template refuses this conversation: {e}") from None
         return out
 
-    def encode_many(self, conversations: list[list[Message]]) -> list[Encoded | RowError]:
+    def encode_many(self, conversations: list[Conversation | list[Message]]) -> list[Encoded | RowError]:
         """Encode a batch; each item is an :class:`Encoded` or the :class:`RowError` that rejects it."""
         batch = self.encode_arrays(conversations)
         return [
@@ -121,7 +253,7 @@ class Encoder:
             for error, a, b in zip(batch.errors, batch.offsets[:-1], batch.offsets[1:], strict=True)
         ]
 
-    def encode_arrays(self, conversations: list[list[Message]]) -> EncodedBatch:
+    def encode_arrays(self, conversations: list[Conversation | list[Message]]) -> EncodedBatch:
         """Encode a batch into flat arrays: render, tokenise every segment together, then mask and cut with numpy."""
         n = len(conversations)
         errors: list[RowError | None] = [None] * n
@@ -147,7 +279,9 @@ class Encoder:
         for i in np.flatnonzero((row_lens > self.cutoff_len) | (learned_kept == 0)):
             if errors[i] is not None:
                 continue
-            if self.truncation == "reject" and row_lens[i] > self.cutoff_len:
+            if not any(lrn for _, lrn in plans[i]):
+                errors[i] = RowError("nothing to learn: every turn has loss_weight 0")
+            elif self.truncation == "reject" and row_lens[i] > self.cutoff_len:
                 errors[i] = RowError(f"{row_lens[i]} tokens exceed data.cutoff_len={self.cutoff_len}")
             elif learned_kept[i] == 0:
                 errors[i] = RowError(f"no response token is left after truncation to data.cutoff_len={self.cutoff_len}")

@@ -170,3 +170,58 @@ def test_cli_prepares_the_shared_samples_with_smollm2(tmp_path, root):
     assert "packing efficiency" in proc.stdout and "rows/s" in proc.stdout
     eval_rows = shards(tmp_path / "out", "eval")
     assert eval_rows and all(max(r["position_ids"]) < 1024 for r in eval_rows)
+
+
+def test_prepare_reads_the_registry_samples_and_rejects_bad_tool_rows_by_file_and_line(tmp_path, root):
+    good = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    call = {"from": "function_call", "value": "{'name': 'w'}"}
+    (tmp_path / "tools.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in (
+                good,
+                {**good, "tools": '{"name": "w"}'},
+                {"conversations": [good["conversations"][0], call, *good["conversations"][1:]]},
+            )
+        )
+        + "\n"
+    )
+    user = {"role": "user", "content": "q"}
+    (tmp_path / "parts.jsonl").write_text(
+        json.dumps({"messages": [user, {"role": "assistant", "content": "a"}]}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "value": "x.png"}]},
+                                   {"role": "assistant", "content": "a"}]}) + "\n"
+        + json.dumps({"messages": [user, {"role": "assistant", "content": "a", "loss_weight": 2}]}) + "\n"
+    )  # fmt: skip
+    names = ", ".join(
+        f"{{name: {n}}}"
+        for n in ("glaive_toolcall_demo", "openai_tools_demo", "v1_parts_demo", "reasoning_demo", "mask_history_demo")
+    )
+    cfg = load_config(
+        None,
+        [
+            f"data.dataset_info={root / 'data' / 'dataset_info.json'}",
+            f"data.sources=[{names}, {{path: {tmp_path}/tools.jsonl}}, {{path: {tmp_path}/parts.jsonl}}]",
+            f"data.output_dir={tmp_path}/out", "model.name_or_path=tiny-llama", "data.max_reject_fraction=0.5",
+            "data.cutoff_len=4096",  # the tiny tokenizer spends a token per byte
+        ],
+    )  # fmt: skip
+    summary = prepare(cfg, log=lambda s: None)
+    assert (summary["rows_read"], summary["rows_rejected"]) == (4 + 2 + 3 + 3 + 2 + 3 + 3, 4)
+    rejects = {
+        (Path(r["source"]).name, r["line"]): r["reason"]
+        for r in map(json.loads, (tmp_path / "out" / "rejects.jsonl").read_text().splitlines())
+    }
+    assert rejects == {
+        ("tools.jsonl", 2): "field 'tools' is a dict, expected a list of function schemas",
+        ("tools.jsonl", 3): "the function_call turn 1 is not valid JSON (Expecting property name enclosed in double "
+        "quotes): \"{'name': 'w'}\"",
+        ("parts.jsonl", 2): "turn 0: content part type 'image_url' is not supported; parts must be text, reasoning or "
+        "tool_call",
+        ("parts.jsonl", 3): "turn 1: loss_weight must be a number in [0, 1], got 2",
+    }
+    tok = tiny_tokenizer()
+    texts = [tok.decode(p["input_ids"]) for p in shards(tmp_path / "out", "train")]
+    assert sum(t.count("# Tools\n") for t in texts) == 4 + 2 + 1 + 1  # every row with tools shows their schemas
+    calls = 4 + 2 + 1 + 1  # glaive, openai, v1, reasoning; each tools block adds one in its format hint
+    assert sum(t.count('<tool_call>\n{"name"') for t in texts) == calls + 8

@@ -107,7 +107,7 @@ def test_text_rows():
         (
             {"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "b"}]},
             "openai",
-            "content parts",
+            "content part type 'image' is not supported",
         ),
         ({"text": ""}, "text", "empty text"),
     ],

@@ -20,3 +20,20 @@ def test_gc_is_paused_inside_and_restored_after_even_on_error():
         assert not gc.isenabled()  # a caller's choice to keep it off is kept
     finally:
         gc.enable()
+
+
+def test_shards_of_batches_that_open_alike_do_not_overwrite_each_other(tmp_path):
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    from raylora.data.transforms import pack_batch, write_shard
+
+    def batch(last: int) -> pa.Table:
+        ids = [list(range(100)) + [last]]  # the same first 100 tokens, as rows behind one long system prompt
+        examples = pa.table({"input_ids": ids, "labels": ids, "split": ["train"]})
+        return pack_batch(examples, 128, True)
+
+    for last in (1, 2):
+        write_shard(batch(last), str(tmp_path))
+    rows = pads.dataset(str(tmp_path / "split=train"), format="parquet").to_table().to_pylist()
+    assert sorted(r["input_ids"][-1] for r in rows) == [1, 2]
