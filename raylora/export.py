@@ -28,7 +28,7 @@ def quantize(model, tokenizer, cfg: JobConfig, method: str) -> dict:
     Raises:
         ValueError: SmoothQuant without data.sources.
     """
-    from raylora.data.pipeline import sample_token_ids
+    from raylora.data.sources import sample_token_ids
     from raylora.ops.int8 import quantize_model
 
     calibration = None

@@ -17,128 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from raylora.config import DataArgs, JobConfig, to_dict
-from raylora.data.dataset_info import RegistryError, load_registry, resolve
+from raylora.data.datasource import RawRowsDatasource
 from raylora.data.encode import TokenizerSpec, tokenizer_spec
-from raylora.data.formats import DEFAULT_COLUMNS, FORMATS, Conversation, RowError, detect_format, to_conversation
-from raylora.data.read import RawRowsDatasource, expand, first_row, iter_raw
+from raylora.data.sources import DataError, plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, select_split, unit_hash, worker_spec, write_shard
 from raylora.model_files import load_tokenizer
 
 BLOCK_BYTES = 8 << 20
 ENCODE_ROWS = 2048
-
-
-class DataError(ValueError):
-    """The data cannot be prepared: bad sources, or too many rejected rows."""
-
-
-def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
-    """Per data file: its format (declared or detected from the first row), column names and weight.
-
-    Every file is checked before the pipeline starts: a file that does not parse, or whose first
-    row is not the declared format, fails here, naming the file and line.
-    Raises:
-        DataError: listing every problem found.
-    """
-    if not data.sources:
-        raise DataError("data.sources is empty: name at least one data file, folder or glob")
-    plan: dict[str, dict[str, Any]] = {}
-    problems = []
-    registry = None
-    if any(source.name is not None for source in data.sources):
-        try:
-            registry = load_registry(data.dataset_info)
-        except RegistryError as e:
-            problems.append(str(e))
-    for k, source in enumerate(data.sources):
-        path, fmt_declared, columns = source.path, source.format, source.columns
-        if source.name is not None:
-            if registry is None:
-                continue
-            try:
-                entry = resolve(registry, data.dataset_info, source.name)
-            except RegistryError as e:
-                problems.append(f"data.sources[{k}].name: {e}")
-                continue
-            path, columns = entry["path"], {**entry["columns"], **source.columns}
-            fmt_declared = entry["format"] if source.format == "auto" else source.format
-        valid = (
-            {name for fmt in FORMATS for name in DEFAULT_COLUMNS[fmt]}
-            if fmt_declared == "auto"
-            else set(DEFAULT_COLUMNS[fmt_declared])
-        )
-        unknown = sorted(set(columns) - valid)
-        if unknown:
-            problems.append(
-                f"data.sources[{k}].columns: unknown field {', '.join(unknown)}; known: {', '.join(sorted(valid))}"
-            )
-        try:
-            files = expand(path)
-        except (FileNotFoundError, ValueError) as e:
-            problems.append(str(e))
-            continue
-        for path in files:
-            try:
-                line, row = first_row(path)
-            except ValueError as e:
-                problems.append(str(e))
-                continue
-            detected = detect_format(row)
-            fmt = detected if fmt_declared == "auto" else fmt_declared
-            if fmt is None:
-                keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                problems.append(
-                    f"{path}:{line}: cannot tell the format from the first row (keys: {keys}); set data.sources[{k}].format"
-                )
-                continue
-            expected = DEFAULT_COLUMNS[fmt]
-            main = {**expected, **columns}[next(iter(expected))]
-            if fmt_declared != "auto" and isinstance(row, dict) and main not in row:
-                problems.append(
-                    f"{path}:{line}: is not {fmt} data: the first row has keys {', '.join(row)}, "
-                    f"not {main!r} (map names with data.sources[{k}].columns)"
-                )
-                continue
-            plan[path] = {"format": fmt, "columns": columns, "weight": source.weight}
-    if problems:
-        raise DataError("data problems:\n  - " + "\n  - ".join(problems))
-    return plan
-
-
-def sample_conversations(data: DataArgs, n: int, skip: int = 0) -> list[Conversation]:
-    """The first valid conversations of ``data.sources`` in file order, after ``skip`` of them (calibration, evaluation).
-
-    Rows that do not parse are passed over; :func:`prepare` is where they are counted and written aside.
-    """
-    out: list[Conversation] = []
-    for path, how in plan_sources(data).items():
-        with open(path, "rb") as f:
-            for _, raw, error in iter_raw(f, path):
-                if error is not None:
-                    continue
-                try:
-                    conversation = to_conversation(
-                        json.loads(raw), how["format"], how["columns"], data.placeholders,
-                        data.mask_history, data.drop_reasoning,
-                    )  # fmt: skip
-                except (RowError, ValueError):
-                    continue
-                if skip:
-                    skip -= 1
-                    continue
-                out.append(conversation)
-                if len(out) == n:
-                    return out
-    return out
-
-
-def sample_token_ids(data: DataArgs, tokenizer, n: int, skip: int = 0) -> list[list[int]]:
-    """Token ids of :func:`sample_conversations` rendered with ``data.template`` (calibration, perplexity)."""
-    from raylora.data.encode import Encoder
-
-    encoder = Encoder(tokenizer_spec(tokenizer, data.template), data.cutoff_len, "tail", False)
-    texts = [encoder.text(c) for c in sample_conversations(data, n, skip)]
-    return [tokenizer(t, add_special_tokens=False).input_ids[: data.cutoff_len] for t in texts]
 
 
 def build_dataset(

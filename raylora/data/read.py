@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pyarrow as pa
-from ray.data.datasource import FileBasedDatasource
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 CHUNK = 1 << 20
@@ -165,26 +164,6 @@ def first_row(path: str) -> tuple[int, Any]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line}: not valid JSON ({e.msg}): {raw[:120]!r}") from None
     raise ValueError(f"{path}: holds no rows")
-
-
-class RawRowsDatasource(FileBasedDatasource):
-    """Ray Data source of ``{source, line, raw, error}`` rows, streamed from each file in blocks."""
-
-    _FILE_EXTENSIONS = [e.lstrip(".") for e in EXTENSIONS]
-
-    def __init__(self, paths: list[str], max_rows_per_file: int | None = None, rows_per_block: int = 2048):
-        super().__init__(paths)
-        self.max_rows_per_file = max_rows_per_file
-        self.rows_per_block = rows_per_block
-
-    def _open_input_source(self, filesystem, path: str, **open_args) -> pa.NativeFile:
-        # Parquet needs random access (its footer comes last); the other formats stream.
-        if path.endswith(".parquet"):
-            return filesystem.open_input_file(path)
-        return super()._open_input_source(filesystem, path, **open_args)
-
-    def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
-        return iter_blocks(f, path, self.max_rows_per_file, self.rows_per_block)
 
 
 def iter_blocks(f: BinaryIO, path: str, max_rows: int | None, rows_per_block: int = 2048) -> Iterator[pa.Table]:

@@ -20,8 +20,9 @@ from raylora.config import JobConfig, to_dict
 from raylora.data.collate import collate_packs
 from raylora.data.encode import tokenizer_spec
 from raylora.data.formats import to_messages
-from raylora.data.pipeline import gather_side, plan_sources
+from raylora.data.pipeline import gather_side
 from raylora.data.read import first_row, iter_blocks
+from raylora.data.sources import plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, worker_spec
 from raylora.models import attach_lora, load_model
 from raylora.train.optim import build_optimizer, build_scheduler

@@ -118,3 +118,15 @@ def test_prompts_past_the_limits_are_refused_and_default_max_tokens_fits_the_con
         assert e.value.param == "max_tokens"
     finally:
         server.cfg.serve.max_prompt_tokens = 100
+
+
+def test_a_replica_imports_neither_the_data_pipeline_nor_ray_data():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, raylora.serve.replica, raylora.export, raylora.data.sources\n"
+        "print(sorted(m for m in ('ray.data', 'raylora.data.pipeline') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
