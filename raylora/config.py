@@ -200,7 +200,11 @@ class BackendArgs:
     device: str = _f(
         "auto", help="device type; auto probes npu, then cuda, then cpu", choices=("auto", "npu", "cuda", "cpu")
     )
-    precision: str = _f("auto", help="autocast dtype; auto picks per device", choices=("auto", "fp32", "bf16", "fp16"))
+    precision: str = _f(
+        "auto",
+        help="autocast dtype; auto picks bf16 where the device runs it fast (probed), else fp32 (fp16 + scaler on 910A/310P, older CUDA)",
+        choices=("auto", "fp32", "bf16", "fp16"),
+    )
     hccl_connect_timeout: int = _f(1800, help="HCCL_CONNECT_TIMEOUT seconds (NPU)", min=120, max=7200)
     hccl_exec_timeout: int | None = _f(None, help="HCCL_EXEC_TIMEOUT seconds (NPU; None: CANN default)", min=0)
     hccl_buffsize: int | None = _f(None, help="HCCL_BUFFSIZE MB per communicator (NPU; None: CANN default 200)", min=1)

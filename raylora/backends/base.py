@@ -29,6 +29,7 @@ class Backend:
         amp_dtype: autocast dtype, ``None`` for full fp32.
         needs_grad_scaler: fp16 autocast needs a gradient scaler (and Adam eps ≥ 1e-6).
         env: environment variables every worker must have (HCCL settings on NPU).
+        precision_by: how the autocast dtype was chosen (``auto`` states its evidence), printed and logged.
     """
 
     name: str
@@ -39,6 +40,12 @@ class Backend:
     amp_dtype: torch.dtype | None
     needs_grad_scaler: bool
     env: dict[str, str] = field(default_factory=dict)
+    precision_by: str = ""
+
+    @property
+    def precision(self) -> str:
+        """``bf16``, ``fp16`` or ``fp32``: the autocast dtype by name."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.amp_dtype, "fp32")
 
     def torch_device(self, local_rank: int = 0) -> torch.device:
         """The worker's device; Ray's visible-devices variable makes local index ``local_rank`` valid."""
@@ -71,6 +78,13 @@ class Backend:
         if self.name == "cpu":
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return getattr(torch, self.name).max_memory_allocated() / 2**20
+
+
+def precision_note(precision: str, auto: tuple[torch.dtype | None, bool], why: str) -> str:
+    """``precision_by`` of a device whose ``auto`` choice follows from ``why`` (a capability it reports)."""
+    if precision != "auto":
+        return f"asked for: {precision}"
+    return f"auto: { ({torch.bfloat16: 'bf16', torch.float16: 'fp16'}.get(auto[0], 'fp32')) } ({why})"
 
 
 def amp_from_precision(precision: str, auto: tuple[torch.dtype | None, bool]) -> tuple[torch.dtype | None, bool]:

@@ -24,11 +24,12 @@ def fake_npu(monkeypatch):
 
 def test_cpu_is_chosen_when_nothing_else_is_present():
     b = resolve_backend(BackendArgs())
+    fast, _ = cpu.bf16_is_fast()
     assert (b.name, b.dist_backend, b.ray_resource, b.amp_dtype, b.needs_grad_scaler) == (
         "cpu",
         "gloo",
         "CPU",
-        None,
+        torch.bfloat16 if fast else None,
         False,
     )
     assert b.detected_by.startswith("auto:") and "torch_npu is not installed" in b.detected_by
@@ -42,6 +43,53 @@ def test_cpu_precision_can_be_chosen():
     assert resolve_backend(BackendArgs(device="cpu", precision="bf16")).amp_dtype is torch.bfloat16
     b = resolve_backend(BackendArgs(device="cpu", precision="fp16"))
     assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
+
+
+@pytest.fixture
+def cpu_probe(monkeypatch, tmp_path):
+    """A CPU with the given /proc/cpuinfo flags and GEMM speeds (GFLOP/s per dtype); the probe cache cleared."""
+
+    def set_cpu(flags, gflops):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {' '.join(flags)}\n" if flags is not None else "")
+        monkeypatch.setattr(cpu, "CPUINFO", info if flags is not None else tmp_path / "absent")
+        timed = []
+
+        def fake_gemm(dtype, size=1024, repeats=5):
+            timed.append(dtype)
+            return gflops[dtype]
+
+        monkeypatch.setattr(cpu, "gemm_gflops", fake_gemm)
+        cpu.bf16_is_fast.cache_clear()
+        return timed
+
+    yield set_cpu
+    cpu.bf16_is_fast.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "flags,gflops,dtype,timed",
+    [
+        (["fpu", "avx512f", "avx512_bf16"], {torch.float32: 215, torch.bfloat16: 900}, torch.bfloat16, True),
+        (["fpu", "amx_bf16", "amx_tile"], {torch.float32: 200, torch.bfloat16: 1800}, torch.bfloat16, True),
+        (["fpu", "avx512_bf16"], {torch.float32: 200, torch.bfloat16: 250}, None, True),  # flags, but slow units
+        (["fpu", "avx2", "fma"], {torch.float32: 200, torch.bfloat16: 900}, None, False),  # no flags: not even timed
+        (None, {torch.float32: 100, torch.bfloat16: 400}, torch.bfloat16, True),  # no cpuinfo (macOS): timed
+    ],
+)
+def test_cpu_auto_precision_is_probed(cpu_probe, flags, gflops, dtype, timed):
+    calls = cpu_probe(flags, gflops)
+    b = resolve_backend(BackendArgs(device="cpu"))
+    assert b.amp_dtype is dtype and not b.needs_grad_scaler
+    assert bool(calls) is timed
+    assert b.precision_by.startswith(f"auto: {b.precision} (")
+    if timed:
+        assert f"bf16 {gflops[torch.bfloat16]} vs fp32 {gflops[torch.float32]} GFLOP/s" in b.precision_by
+    assert resolve_backend(BackendArgs(device="cpu", precision="fp32")).amp_dtype is None
+
+
+def test_the_gemm_probe_measures_something():
+    assert cpu.gemm_gflops(torch.float32, size=128, repeats=2) > 0.1
 
 
 def test_npu_asked_for_without_torch_npu_says_how_to_install():
@@ -89,6 +137,7 @@ def test_npu_autocast_follows_the_soc(fake_npu, soc, dtype, scaler):
     fake_npu(soc)
     b = resolve_backend(BackendArgs(device="npu"))
     assert (b.amp_dtype, b.needs_grad_scaler) == (dtype, scaler)
+    assert b.precision_by.startswith(f"auto: {b.precision} ({soc} has")
 
 
 def test_bf16_on_910a_is_refused(fake_npu):
@@ -135,6 +184,7 @@ def test_cuda_backend_shape(monkeypatch):
         "CUDA_VISIBLE_DEVICES",
     )
     assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
+    assert b.precision_by == "auto: fp16 (torch.cuda.is_bf16_supported() is False)"
     assert b.scaling(4) == {"num_workers": 4, "use_gpu": True}
 
 
