@@ -128,6 +128,17 @@ class TrainArgs:
     keep_checkpoints: int = _f(2, help="checkpoints kept (the newest)", min=1)
     max_failures: int = _f(2, help="worker-group restarts from the last checkpoint before the run fails", min=0)
     nan_tolerance: int = _f(5, help="non-finite steps in a row before rolling back to the last good checkpoint", min=1)
+    fused_lora: bool = _f(True, help="fused LoRA linear: one down-projection for q/k/v and for gate/up, scaling in B")
+    chunked_loss: bool = _f(
+        True, help="score only label positions through the LM head, a chunk at a time (full logits never held)"
+    )
+    recompute_every: int = _f(
+        0, help="recompute the activations of every N-th decoder layer in the backward (0: off; 1: all layers)", min=0
+    )
+    compile: bool = _f(False, help="torch.compile each decoder layer (inductor on CPU/CUDA, TorchAir on NPU)")
+    profile: bool = _f(
+        False, help="profile steps 3-5 on rank 0: trace and top-operators table in output_dir/profile and MLflow"
+    )
 
 
 @dataclass

@@ -22,12 +22,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from raylora.backends import Backend, resolve_backend
+from raylora.backends.base import PROFILE_STEPS
 from raylora.config import TrainArgs, from_dict
 from raylora.data.collate import collate_packs
 from raylora.models import attach_lora, load_model
-from raylora.tracking import metric_logger
+from raylora.ops.linear_ce import IGNORE_INDEX
+from raylora.tracking import metric_logger, set_tags
 from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
+from raylora.train.lm import training_model
 from raylora.train.optim import build_optimizer, build_scheduler
 
 
@@ -50,6 +53,7 @@ def train_worker(config: dict) -> dict:
 
     model, tokenizer = load_model(cfg.model)
     model = attach_lora(model, cfg.lora).to(device).train()
+    loss_model, notes = training_model(model, cfg.train, backend)
     optimizer = build_optimizer(model, cfg.train, backend)
     lr_scale = [1.0]
     scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
@@ -63,9 +67,9 @@ def train_worker(config: dict) -> dict:
         lr_scale[0] = state.lr_scale
     resumed_from = state.step
     ddp = (
-        DistributedDataParallel(model, device_ids=None if backend.name == "cpu" else [device.index])
+        DistributedDataParallel(loss_model, device_ids=None if backend.name == "cpu" else [device.index])
         if world > 1
-        else model
+        else loss_model
     )
     last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
     log_metrics = metric_logger(config["tracking_uri"], config["run_id"], rank)
@@ -73,8 +77,16 @@ def train_worker(config: dict) -> dict:
     batches = micro_batches(ray.train.get_dataset_shard("train"), cfg.train.batch_size, state, world)
     mask_dtype = backend.amp_dtype or model.dtype
     train = cfg.train
+    if rank == 0:
+        print("training path: " + "; ".join(notes), flush=True)
+        set_tags(
+            config["tracking_uri"], config["run_id"], {"backend.precision_by": notes[0], "train.path": "; ".join(notes)}
+        )
     if rank == 0 and resumed_from:
         print(f"resumed from step {resumed_from} (epoch {state.epoch}, {state.rows_in_epoch} rows into it)", flush=True)
+    profiler = backend.profiler(Path(cfg.train.output_dir) / "profile") if train.profile and rank == 0 else None
+    if profiler is not None:
+        profiler.start()
 
     bad_in_row = 0
     tokens_seen, started = 0, time.perf_counter()
@@ -93,6 +105,11 @@ def train_worker(config: dict) -> dict:
             world,
         )
         state.epoch, state.rows_in_epoch = position
+        if profiler is not None:
+            profiler.step()
+            if profiler.step_num >= PROFILE_STEPS:
+                profiler.stop()
+                profiler = None
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             state.skipped_steps += 1
             bad_in_row += 1
@@ -126,7 +143,7 @@ def train_worker(config: dict) -> dict:
         }  # fmt: skip
         if evaluate_now and eval_shard is not None:
             metrics.update(
-                evaluate(model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
+                evaluate(loss_model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
             )
         if final and not adapter_is_finite(model):
             return outcome("diverged", state, resumed_from)
@@ -150,6 +167,8 @@ def train_worker(config: dict) -> dict:
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder))
             else:
                 ray.train.report(report)
+    if profiler is not None:
+        profiler.stop()
     return outcome("done", state, resumed_from)
 
 
@@ -201,52 +220,65 @@ def train_step(
     backend: Backend,
     world: int,
 ):
-    """One optimizer step over ``grad_accum`` micro-batches.
+    """One optimizer step over ``grad_accum`` micro-batches on each of ``world`` workers.
 
-    All but the last micro-batch run under ``no_sync()``; the last one's backward all-reduces the
-    accumulated gradients, overlapped with its own computation through DDP's buckets. The step is
-    taken only if the loss (averaged over workers) and the gradient norm are finite.
+    The objective is the cross-entropy summed over every label token of the step (all micro-batches, all
+    workers) divided by their number, so neither accumulation nor the worker count changes it: the label
+    count is all-reduced before the first backward, and each micro-batch's summed loss is scaled by
+    ``world / count`` (DDP averages gradients over workers). All but the last micro-batch run under
+    ``no_sync()``; the last one's backward all-reduces the accumulated gradients. The step is taken only
+    if the loss and the gradient norm are finite.
+
+    Args:
+        ddp: the :class:`~raylora.train.lm.LossModel`, DDP-wrapped when ``world > 1``.
+        batches: iterator of ``(pack rows, data position)``.
     Returns:
-        ``(mean loss over workers, real tokens over workers, gradient norm, data position)``.
+        ``(loss per label token over workers, real tokens over workers, gradient norm, data position)``.
     """
-    local_losses, tokens = [], 0
-    for k in range(train.grad_accum):
+    micro, tokens = [], 0
+    for _ in range(train.grad_accum):
         rows, position = next(batches)
-        batch = {key: v.to(device) for key, v in collate_packs(rows, pad_id, mask_dtype).items()}
+        micro.append({key: v.to(device) for key, v in collate_packs(rows, pad_id, mask_dtype).items()})
+        tokens += sum(r["num_tokens"] for r in rows)
+    counts = torch.tensor([float(sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro)), float(tokens)])
+    counts = counts.to(device)
+    if world > 1:
+        dist.all_reduce(counts)
+    scale = world / max(counts[0].item(), 1.0)
+    total = torch.zeros((), device=device)
+    for k, batch in enumerate(micro):
         sync = k == train.grad_accum - 1 or world == 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
             with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
-                loss = ddp(**batch).loss
-            scaler.scale(loss / train.grad_accum).backward()
-        local_losses.append(loss.detach().float())
-        tokens += sum(r["num_tokens"] for r in rows)
+                loss_sum = ddp(**batch)
+            scaler.scale(loss_sum * scale).backward()
+        total += loss_sum.detach().float()
     scaler.unscale_(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm if train.max_grad_norm > 0 else float("inf"))
-    stats = torch.stack([torch.stack(local_losses).mean(), torch.tensor(float(tokens))]).to(grad_norm.device)
     if world > 1:
-        dist.all_reduce(stats)
-    loss_value, grad_value = stats[0].item() / world, grad_norm.item()
+        dist.all_reduce(total)
+    loss_value, grad_value = total.item() / max(counts[0].item(), 1.0), grad_norm.item()
     if math.isfinite(loss_value) and math.isfinite(grad_value):
         scaler.step(optimizer)
         scheduler.step()
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, int(stats[1].item()), grad_value, position
+    return loss_value, int(counts[1].item()), grad_value, position
 
 
 @torch.no_grad()
 def evaluate(model, shard, batch_size: int, pad_id: int, mask_dtype, backend: Backend, world: int) -> dict[str, float]:
-    """Token-weighted eval loss and perplexity over every worker's eval shard."""
+    """Eval loss per label token (and perplexity) over every worker's eval shard; ``model``: a ``LossModel``."""
     model.eval()
     device = next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
         tensors = {k: v.to(device) for k, v in collate_packs(batch.to_pylist(), pad_id, mask_dtype).items()}
         with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
-            loss = model(**tensors).loss
-        targets = (tensors["labels"][:, 1:] != -100).sum()
-        total += torch.stack([loss.double() * targets, targets.double()])
+            loss_sum = model(**tensors)
+        targets = (tensors["labels"][:, 1:] != IGNORE_INDEX).sum()
+        total += torch.stack([loss_sum.double(), targets.double()])
     if world > 1:
         dist.all_reduce(total)
     model.train()

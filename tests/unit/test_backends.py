@@ -203,3 +203,47 @@ def test_importing_raylora_never_imports_torch_npu():
         "assert 'torch_npu' not in sys.modules and 'torchair' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_one_profiler_wrapper_same_schedule_on_npu(fake_npu, monkeypatch, tmp_path):
+    """On NPU the wrapper builds torch_npu.profiler's profile with the schedule torch.profiler gets elsewhere."""
+    import types
+
+    from raylora.backends.base import PROFILE_SCHEDULE
+
+    made = {}
+    fake = types.SimpleNamespace(
+        ProfilerActivity=types.SimpleNamespace(CPU="cpu-activity", NPU="npu-activity"),
+        schedule=lambda **kw: ("schedule", kw),
+        tensorboard_trace_handler=lambda folder: ("handler", folder),
+        profile=lambda **kw: made.update(kw) or "npu-profiler",
+    )
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(profiler=fake))
+    fake_npu("Ascend910B2")
+    assert resolve_backend(BackendArgs()).profiler(tmp_path / "p") == "npu-profiler"
+    assert made["activities"] == ["cpu-activity", "npu-activity"]
+    assert made["schedule"] == ("schedule", PROFILE_SCHEDULE)
+    assert made["on_trace_ready"] == ("handler", str(tmp_path / "p"))
+
+
+def test_cpu_profiler_writes_trace_and_top_operators(tmp_path):
+    prof = resolve_backend(BackendArgs(device="cpu")).profiler(tmp_path / "p")
+    a = torch.randn(64, 64)
+    with prof:
+        for _ in range(6):
+            (a @ a).sum()
+            prof.step()
+    assert (tmp_path / "p" / "trace.json").stat().st_size > 0
+    assert "aten::mm" in (tmp_path / "p" / "top_operators.txt").read_text()
+
+
+def test_compile_backend_is_torchair_on_npu(fake_npu, monkeypatch):
+    import types
+
+    fake = types.SimpleNamespace(
+        CompilerConfig=lambda: "config", get_npu_backend=lambda compiler_config: ("ge", compiler_config)
+    )
+    monkeypatch.setitem(sys.modules, "torchair", fake)
+    fake_npu("Ascend910B2")
+    assert resolve_backend(BackendArgs()).compile_backend() == ("ge", "config")
+    assert resolve_backend(BackendArgs(device="cpu")).compile_backend() == "inductor"
