@@ -41,17 +41,22 @@ def cpu_flags() -> set[str] | None:
     return set()
 
 
-def gemm_gflops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """Best-of-``repeats`` GFLOP/s of a ``size`` x ``size`` matrix product in ``dtype`` on this process's threads."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    torch.mm(a, b)  # first call allocates and picks the kernel
-    best = float("inf")
+def gemm_gflops(dtypes: tuple[torch.dtype, ...], size: int = 1024, repeats: int = 8) -> list[float]:
+    """GFLOP/s of a ``size`` x ``size`` matrix product in each of ``dtypes`` on this process's threads.
+
+    The dtypes take turns, ``repeats`` times, and each keeps its best time: on a shared machine a burst of
+    load then slows both alike instead of deciding the comparison.
+    """
+    pairs = [(torch.randn(size, size).to(d), torch.randn(size, size).to(d)) for d in dtypes]
+    for a, b in pairs:
+        torch.mm(a, b)  # the first call allocates and picks the kernel
+    best = [float("inf")] * len(dtypes)
     for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+        for i, (a, b) in enumerate(pairs):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [2 * size**3 / t / 1e9 for t in best]
 
 
 @functools.cache
@@ -61,7 +66,7 @@ def bf16_is_fast() -> tuple[bool, str]:
     capability = torch.backends.cpu.get_cpu_capability()
     if flags is not None and not flags.intersection(BF16_FLAGS):
         return False, f"no AMX or AVX-512 BF16 in the CPU flags (torch kernels: {capability})"
-    fp32, bf16 = gemm_gflops(torch.float32), gemm_gflops(torch.bfloat16)
+    fp32, bf16 = gemm_gflops((torch.float32, torch.bfloat16))
     have = ", ".join(sorted(flags.intersection(BF16_FLAGS))) if flags is not None else "flags unknown"
     evidence = f"{have}; 1024^3 GEMM bf16 {bf16:.0f} vs fp32 {fp32:.0f} GFLOP/s on {torch.get_num_threads()} thread(s)"
     return bf16 >= BF16_MIN_SPEEDUP * fp32, evidence

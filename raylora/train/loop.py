@@ -139,7 +139,7 @@ def train_worker(config: dict) -> dict:
         elapsed = time.perf_counter() - started
         metrics = {
             "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-            "tokens_per_s": tokens_seen / elapsed, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
+            "tokens_per_s": tokens_seen / elapsed, "tokens": tokens_seen, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
         }  # fmt: skip
         if evaluate_now and eval_shard is not None:
             metrics.update(

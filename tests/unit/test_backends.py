@@ -55,9 +55,9 @@ def cpu_probe(monkeypatch, tmp_path):
         monkeypatch.setattr(cpu, "CPUINFO", info if flags is not None else tmp_path / "absent")
         timed = []
 
-        def fake_gemm(dtype, size=1024, repeats=5):
-            timed.append(dtype)
-            return gflops[dtype]
+        def fake_gemm(dtypes, size=1024, repeats=8):
+            timed.extend(dtypes)
+            return [gflops[d] for d in dtypes]
 
         monkeypatch.setattr(cpu, "gemm_gflops", fake_gemm)
         cpu.bf16_is_fast.cache_clear()
@@ -89,7 +89,8 @@ def test_cpu_auto_precision_is_probed(cpu_probe, flags, gflops, dtype, timed):
 
 
 def test_the_gemm_probe_measures_something():
-    assert cpu.gemm_gflops(torch.float32, size=128, repeats=2) > 0.1
+    fp32, bf16 = cpu.gemm_gflops((torch.float32, torch.bfloat16), size=128, repeats=2)
+    assert fp32 > 0.1 and bf16 > 0.1
 
 
 def test_npu_asked_for_without_torch_npu_says_how_to_install():
