@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import socket
@@ -41,6 +42,7 @@ def train_worker(config: dict) -> dict:
     ``diverged``), ``step``, ``resumed_from`` and ``skipped_steps``.
     """
     cfg = from_dict(config["cfg"])
+    quiet_report_logs()
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     backend = resolve_backend(cfg.backend)
@@ -170,6 +172,18 @@ def train_worker(config: dict) -> dict:
     if profiler is not None:
         profiler.stop()
     return outcome("done", state, resumed_from)
+
+
+def quiet_report_logs() -> None:
+    """Silence Ray Train's per-step ``Reporting training result ...`` INFO line on the console.
+
+    Ray 2.60 logs it through a logger named after its source file, outside ``ray.train``, so RunConfig's
+    ``LoggingConfig(log_level=...)`` does not reach it; the progress line already says what it would.
+    """
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray.train.v2._internal.execution import context
+
+        context.logger.setLevel(logging.WARNING)
 
 
 def outcome(status: str, state: TrainState, resumed_from: int) -> dict:

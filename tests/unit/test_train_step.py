@@ -132,3 +132,14 @@ def test_compiled_layers_train_like_eager():
     compiled_model, notes = _model(compile=True)
     assert "torch.compile: each decoder layer, backend inductor" in notes
     _assert_same(_step(compiled_model, _rows(), per_micro=2, world=1), eager, tol=1e-4)
+
+
+def test_ray_train_per_step_report_line_is_silenced():
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    from raylora.train.loop import quiet_report_logs
+
+    quiet_report_logs()
+    assert not context.logger.isEnabledFor(logging.INFO) and context.logger.isEnabledFor(logging.WARNING)
