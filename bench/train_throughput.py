@@ -221,7 +221,7 @@ def bench(size: str, hf_steps: int, recompute: bool, compile_layers: bool) -> No
         runs[f"HF Trainer + peft, {precision}"] = launch(
             {"side": "hf", "size": size, "precision": precision, "steps": hf_steps}
         )
-        print(f"  done: HF {precision}", flush=True)
+        print(f"  done: HF {precision}: {json.dumps(runs[f'HF Trainer + peft, {precision}'])}", flush=True)
     hf_tokens = runs["HF Trainer + peft, fp32"]["tokens"]
     steps = max(2, round(hf_tokens / (2 * CUTOFF * 0.95)))  # packs are ~95% full: about the baseline's real tokens
     settings = (
@@ -235,7 +235,7 @@ def bench(size: str, hf_steps: int, recompute: bool, compile_layers: bool) -> No
             name = "raylora train, train.compile=true" if compiled else name
             spec = {"side": "ours", "size": size, "steps": steps, "recompute": n, "compile": compiled, "tmp": tmp}
             runs[name] = launch(spec)
-            print(f"  done: {name}", flush=True)
+            print(f"  done: {name}: {json.dumps(runs[name])}", flush=True)
     print(
         f"baseline: {hf_steps} steps of 4 padded rows; ours: {steps} steps of 2 packed sequences of <= {CUTOFF} tokens"
     )
