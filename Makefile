@@ -39,9 +39,10 @@ bench: install
 	$(PY) bench/data.py
 	$(PY) bench/quant.py
 	$(PY) bench/serve.py
+	$(PY) bench/train_throughput.py
 
 lint: install
-	$(VENV)/bin/ruff check raylora tests jobs
+	$(VENV)/bin/ruff check raylora tests jobs bench
 	$(VENV)/bin/ruff format --check raylora tests jobs
 
 format: install

@@ -149,6 +149,17 @@ class TrainArgs:
         2, help="steps of plain all-reduce before PowerSGD compresses (PyTorch needs at least 2)", min=2
     )
     bucket_mb: float = _f(25.0, help="DDP gradient bucket size in MiB (LoRA's gradients fit one bucket)", gt=0)
+    fused_lora: bool = _f(True, help="fused LoRA linear: one down-projection for q/k/v and for gate/up, scaling in B")
+    chunked_loss: bool = _f(
+        True, help="score only label positions through the LM head, a chunk at a time (full logits never held)"
+    )
+    recompute_every: int = _f(
+        0, help="recompute the activations of every N-th decoder layer in the backward (0: off; 1: all layers)", min=0
+    )
+    compile: bool = _f(False, help="torch.compile each decoder layer (inductor on CPU/CUDA, TorchAir on NPU)")
+    profile: bool = _f(
+        False, help="profile steps 3-5 on rank 0: trace and top-operators table in output_dir/profile and MLflow"
+    )
 
 
 @dataclass
@@ -232,7 +243,11 @@ class BackendArgs:
     device: str = _f(
         "auto", help="device type; auto probes npu, then cuda, then cpu", choices=("auto", "npu", "cuda", "cpu")
     )
-    precision: str = _f("auto", help="autocast dtype; auto picks per device", choices=("auto", "fp32", "bf16", "fp16"))
+    precision: str = _f(
+        "auto",
+        help="autocast dtype; auto picks bf16 where the device runs it fast (probed), else fp32 (fp16 + scaler on 910A/310P, older CUDA)",
+        choices=("auto", "fp32", "bf16", "fp16"),
+    )
     hccl_connect_timeout: int = _f(1800, help="HCCL_CONNECT_TIMEOUT seconds (NPU)", min=120, max=7200)
     hccl_exec_timeout: int | None = _f(None, help="HCCL_EXEC_TIMEOUT seconds (NPU; None: CANN default)", min=0)
     hccl_buffsize: int | None = _f(None, help="HCCL_BUFFSIZE MB per communicator (NPU; None: CANN default 200)", min=1)

@@ -40,7 +40,8 @@ def check(cfg: JobConfig) -> tuple[list[tuple[str, str]], list[str]]:
             ("dist backend", backend.dist_backend),
             ("ray worker resources", str(backend.scaling(cfg.train.num_workers)["resources_per_worker"]
                                          if backend.ray_resource != "GPU" else {"GPU": 1})),
-            ("autocast", str(backend.amp_dtype or "off (fp32)") + (" + grad scaler" if backend.needs_grad_scaler else "")),
+            ("autocast", str(backend.amp_dtype or "off (fp32)") + (" + grad scaler" if backend.needs_grad_scaler else "")
+                         + f"; {backend.precision_by}"),
         ]  # fmt: skip
         if backend.name == "npu":
             env = {**backend.env, **{k: v for k, v in os.environ.items() if k.startswith("HCCL_")}}

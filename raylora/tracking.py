@@ -78,6 +78,17 @@ def metric_logger(uri: str | None, run_id: str | None, rank: int) -> Callable[[d
     return log
 
 
+def set_tags(uri: str | None, run_id: str | None, tags: dict[str, str]) -> None:
+    """Set tags on ``run_id`` (overwriting, so a resumed run may restate them); nothing when tracking is off."""
+    if run_id is None:
+        return
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value[:5000])
+
+
 def finish_run(args: TrackingArgs, run_id: str | None, artifacts: list[Path], status: str) -> None:
     """Upload ``artifacts`` (files or folders) and close the run as FINISHED or FAILED."""
     if run_id is None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import resource
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +14,11 @@ import torch
 class BackendError(RuntimeError):
     """A device asked for cannot be used; the message names the fix."""
 
+
+# One schedule for torch.profiler and torch_npu.profiler: skip the first step (allocations, lazy init), warm up on
+# the second, record three.
+PROFILE_SCHEDULE = {"wait": 1, "warmup": 1, "active": 3, "repeat": 1}
+PROFILE_STEPS = PROFILE_SCHEDULE["wait"] + PROFILE_SCHEDULE["warmup"] + PROFILE_SCHEDULE["active"]
 
 _PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,6 +36,7 @@ class Backend:
         amp_dtype: autocast dtype, ``None`` for full fp32.
         needs_grad_scaler: fp16 autocast needs a gradient scaler (and Adam eps ≥ 1e-6).
         env: environment variables every worker must have (HCCL settings on NPU).
+        precision_by: how the autocast dtype was chosen (``auto`` states its evidence), printed and logged.
     """
 
     name: str
@@ -39,6 +47,12 @@ class Backend:
     amp_dtype: torch.dtype | None
     needs_grad_scaler: bool
     env: dict[str, str] = field(default_factory=dict)
+    precision_by: str = ""
+
+    @property
+    def precision(self) -> str:
+        """``bf16``, ``fp16`` or ``fp32``: the autocast dtype by name."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.amp_dtype, "fp32")
 
     def torch_device(self, local_rank: int = 0) -> torch.device:
         """The worker's device; Ray's visible-devices variable makes local index ``local_rank`` valid."""
@@ -70,11 +84,54 @@ class Backend:
         if self.name != "cpu":
             getattr(torch, self.name).synchronize()
 
+    def compile_backend(self) -> Any:
+        """The ``torch.compile`` backend: TorchAir's GE graph backend on NPU, inductor on CUDA and CPU."""
+        if self.name == "npu":
+            torchair = importlib.import_module("torchair")
+            return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+        return "inductor"
+
+    def profiler(self, folder: Path) -> Any:
+        """A step profiler with :data:`PROFILE_SCHEDULE` (call ``.step()`` after each training step).
+
+        ``torch_npu.profiler`` on NPU, whose trace handler writes the trace and its operator tables
+        (``ASCEND_PROFILER_OUTPUT/operator_details.csv``) under ``folder``; ``torch.profiler`` elsewhere,
+        writing ``trace.json`` (Chrome trace) and ``top_operators.txt`` (operators by self time).
+        """
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.name == "npu":
+            module = importlib.import_module("torch_npu").profiler
+            activities = [module.ProfilerActivity.CPU, module.ProfilerActivity.NPU]
+            ready = module.tensorboard_trace_handler(str(folder))
+        else:
+            module = torch.profiler
+            activities = [module.ProfilerActivity.CPU] + ([module.ProfilerActivity.CUDA] if self.name == "cuda" else [])
+            sort = "self_cpu_time_total" if self.name == "cpu" else "self_device_time_total"
+
+            def ready(prof) -> None:
+                prof.export_chrome_trace(str(folder / "trace.json"))
+                table = prof.key_averages().table(sort_by=sort, row_limit=25)
+                (folder / "top_operators.txt").write_text(table + "\n")
+
+        return module.profile(
+            activities=activities,
+            schedule=module.schedule(**PROFILE_SCHEDULE),
+            on_trace_ready=ready,
+            record_shapes=True,
+        )
+
     def peak_memory_mb(self) -> float:
         """Peak device memory allocated by torch (accelerators) or peak resident set size (cpu), in MiB."""
         if self.name == "cpu":
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return getattr(torch, self.name).max_memory_allocated() / 2**20
+
+
+def precision_note(precision: str, auto: tuple[torch.dtype | None, bool], why: str) -> str:
+    """``precision_by`` of a device whose ``auto`` choice follows from ``why`` (a capability it reports)."""
+    if precision != "auto":
+        return f"asked for: {precision}"
+    return f"auto: { ({torch.bfloat16: 'bf16', torch.float16: 'fp16'}.get(auto[0], 'fp32')) } ({why})"
 
 
 def amp_from_precision(precision: str, auto: tuple[torch.dtype | None, bool]) -> tuple[torch.dtype | None, bool]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from raylora.backends.base import Backend, amp_from_precision
+from raylora.backends.base import Backend, amp_from_precision, precision_note
 from raylora.config import BackendArgs
 
 NAME = "cuda"
@@ -21,5 +21,9 @@ def probe() -> tuple[bool, str]:
 
 def make(args: BackendArgs, detected_by: str) -> Backend:
     bf16 = torch.cuda.is_bf16_supported()
-    dtype, scaler = amp_from_precision(args.precision, (torch.bfloat16, False) if bf16 else (torch.float16, True))
-    return Backend(NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "CUDA_VISIBLE_DEVICES", dtype, scaler)
+    auto = (torch.bfloat16, False) if bf16 else (torch.float16, True)
+    dtype, scaler = amp_from_precision(args.precision, auto)
+    how = precision_note(args.precision, auto, f"torch.cuda.is_bf16_supported() is {bf16}")
+    return Backend(
+        NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "CUDA_VISIBLE_DEVICES", dtype, scaler, precision_by=how
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from raylora.backends.base import Backend, BackendError, amp_from_precision
+from raylora.backends.base import Backend, BackendError, amp_from_precision, precision_note
 from raylora.config import BackendArgs
 
 NAME = "npu"
@@ -89,6 +89,7 @@ def make(args: BackendArgs, detected_by: str) -> Backend:
     if args.precision == "bf16" and auto[0] is not torch.bfloat16:
         raise BackendError(f"{soc} has no bf16 support; use backend.precision=fp16 (with a grad scaler) or auto")
     dtype, scaler = amp_from_precision(args.precision, auto)
+    how = precision_note(args.precision, auto, f"{soc} {'has' if auto[0] is torch.bfloat16 else 'has no'} bf16 units")
     return Backend(
-        NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "ASCEND_RT_VISIBLE_DEVICES", dtype, scaler, hccl_env(args)
+        NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "ASCEND_RT_VISIBLE_DEVICES", dtype, scaler, hccl_env(args), how
     )

@@ -35,27 +35,33 @@ def stack_adapters(model: nn.Module) -> int:
     """
     from peft.tuners.lora import Linear as LoraLinear
 
-    from raylora.ops.int4 import Int4Linear
-
     count = 0
     for layer in model.modules():
         if not isinstance(layer, LoraLinear):
             continue
         names = [n for n in layer.lora_A if n in layer.lora_B]
-        plain = all(
-            n not in layer.lora_variant
-            and not isinstance(layer.lora_A[n], Int4Linear)
-            and not isinstance(layer.lora_B[n], Int4Linear)
-            and layer.lora_B[n].bias is None
-            for n in names
-        )
-        if not plain or not names:
+        if not plain_lora(layer, names) or not names:
             layer.__dict__.pop("_mixed_batch_forward", None)
             continue
         layer._raylora_stack = _build(layer, names)
         layer._mixed_batch_forward = _stacked_forward.__get__(layer)
         count += 1
     return count
+
+
+def plain_lora(layer, names: list[str]) -> bool:
+    """Whether the adapters ``names`` of a peft LoRA linear are plain LoRA: no DoRA or other variant, no LoRA
+    bias, no int4-stored factors (the layers the stacked and fused ops take over)."""
+    from raylora.ops.int4 import Int4Linear
+
+    return all(
+        n in layer.lora_B
+        and n not in layer.lora_variant
+        and not isinstance(layer.lora_A[n], Int4Linear)
+        and not isinstance(layer.lora_B[n], Int4Linear)
+        and layer.lora_B[n].bias is None
+        for n in names
+    )
 
 
 def _build(layer, names: list[str]) -> _Stack:

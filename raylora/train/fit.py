@@ -129,7 +129,10 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     (out / "history.json").write_text(json.dumps(history, indent=1))
     plot_history(history, out / "loss.png")
     finish_run(
-        cfg.tracking, run_id, [out / "adapter", out / "config.yaml", out / "loss.png", out / "history.json"], "FINISHED"
+        cfg.tracking,
+        run_id,
+        [out / "adapter", out / "config.yaml", out / "loss.png", out / "history.json", out / "profile"],
+        "FINISHED",
     )
     log(
         f"adapter saved to {out / 'adapter'}; loss plot {out / 'loss.png'}"

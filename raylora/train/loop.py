@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import socket
@@ -22,13 +23,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from raylora.backends import Backend, resolve_backend
+from raylora.backends.base import PROFILE_STEPS
 from raylora.comm.hooks import CommHook, bytes_sent
 from raylora.config import TrainArgs, from_dict
 from raylora.data.collate import collate_packs
 from raylora.models import attach_lora, load_model
-from raylora.tracking import metric_logger
+from raylora.ops.linear_ce import IGNORE_INDEX
+from raylora.tracking import metric_logger, set_tags
 from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
+from raylora.train.lm import training_model
 from raylora.train.optim import build_optimizer, build_scheduler
 
 
@@ -39,6 +43,7 @@ def train_worker(config: dict) -> dict:
     ``diverged``), ``step``, ``resumed_from`` and ``skipped_steps``.
     """
     cfg = from_dict(config["cfg"])
+    quiet_report_logs()
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     backend = resolve_backend(cfg.backend)
@@ -51,6 +56,7 @@ def train_worker(config: dict) -> dict:
 
     model, tokenizer = load_model(cfg.model)
     model = attach_lora(model, cfg.lora).to(device).train()
+    loss_model, notes = training_model(model, cfg.train, backend)
     optimizer = build_optimizer(model, cfg.train, backend)
     lr_scale = [1.0]
     scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
@@ -64,9 +70,11 @@ def train_worker(config: dict) -> dict:
             state = ckpt.load(Path(folder), model, optimizer, scheduler, scaler)
         lr_scale[0] = state.lr_scale
     resumed_from = state.step
-    ddp, hook = model, None
+    ddp, hook = loss_model, None
     if world > 1:
-        ddp = DistributedDataParallel(model, device_ids=backend.ddp_device_ids(device), bucket_cap_mb=train.bucket_mb)
+        ddp = DistributedDataParallel(
+            loss_model, device_ids=backend.ddp_device_ids(device), bucket_cap_mb=train.bucket_mb
+        )
         hook = CommHook(train)
         hook.register(ddp)
         if restored:
@@ -79,8 +87,16 @@ def train_worker(config: dict) -> dict:
     eval_shard = ray.train.get_dataset_shard("eval") if config["has_eval"] else None
     batches = micro_batches(ray.train.get_dataset_shard("train"), cfg.train.batch_size, state, world)
     mask_dtype = backend.amp_dtype or model.dtype
+    if rank == 0:
+        print("training path: " + "; ".join(notes), flush=True)
+        set_tags(
+            config["tracking_uri"], config["run_id"], {"backend.precision_by": notes[0], "train.path": "; ".join(notes)}
+        )
     if rank == 0 and resumed_from:
         print(f"resumed from step {resumed_from} (epoch {state.epoch}, {state.rows_in_epoch} rows into it)", flush=True)
+    profiler = backend.profiler(Path(cfg.train.output_dir) / "profile") if train.profile and rank == 0 else None
+    if profiler is not None:
+        profiler.start()
 
     bad_in_row = 0
     tokens_seen, started = 0, time.perf_counter()
@@ -101,6 +117,11 @@ def train_worker(config: dict) -> dict:
         )
         state.epoch, state.rows_in_epoch = position
         comm_bytes, comm_steps = comm_bytes + bytes_sent(), comm_steps + 1
+        if profiler is not None:
+            profiler.step()
+            if profiler.step_num >= PROFILE_STEPS:
+                profiler.stop()
+                profiler = None
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             if hook is not None:
                 hook.forget()
@@ -132,14 +153,14 @@ def train_worker(config: dict) -> dict:
         elapsed = time.perf_counter() - started
         metrics = {
             "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-            "tokens_per_s": tokens_seen / elapsed, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
+            "tokens_per_s": tokens_seen / elapsed, "tokens": tokens_seen, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
         }  # fmt: skip
         if hook is not None:
             metrics["comm_bytes_per_step"] = comm_bytes / comm_steps
             comm_bytes, comm_steps = 0, 0
         if evaluate_now and eval_shard is not None:
             metrics.update(
-                evaluate(model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
+                evaluate(loss_model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
             )
         if final and not adapter_is_finite(model):
             return outcome("diverged", state, resumed_from)
@@ -167,7 +188,21 @@ def train_worker(config: dict) -> dict:
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder))
             else:
                 ray.train.report(report)
+    if profiler is not None:
+        profiler.stop()
     return outcome("done", state, resumed_from)
+
+
+def quiet_report_logs() -> None:
+    """Silence Ray Train's per-step ``Reporting training result ...`` INFO line on the console.
+
+    Ray 2.60 logs it through a logger named after its source file, outside ``ray.train``, so RunConfig's
+    ``LoggingConfig(log_level=...)`` does not reach it; the progress line already says what it would.
+    """
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray.train.v2._internal.execution import context
+
+        context.logger.setLevel(logging.WARNING)
 
 
 def outcome(status: str, state: TrainState, resumed_from: int) -> dict:
@@ -218,52 +253,65 @@ def train_step(
     backend: Backend,
     world: int,
 ):
-    """One optimizer step over ``grad_accum`` micro-batches.
+    """One optimizer step over ``grad_accum`` micro-batches on each of ``world`` workers.
 
-    All but the last micro-batch run under ``no_sync()``; the last one's backward all-reduces the
-    accumulated gradients, overlapped with its own computation through DDP's buckets. The step is
-    taken only if the loss (averaged over workers) and the gradient norm are finite.
+    The objective is the cross-entropy summed over every label token of the step (all micro-batches, all
+    workers) divided by their number, so neither accumulation nor the worker count changes it: the label
+    count is all-reduced before the first backward, and each micro-batch's summed loss is scaled by
+    ``world / count`` (DDP averages gradients over workers). All but the last micro-batch run under
+    ``no_sync()``; the last one's backward all-reduces the accumulated gradients. The step is taken only
+    if the loss and the gradient norm are finite.
+
+    Args:
+        ddp: the :class:`~raylora.train.lm.LossModel`, DDP-wrapped when ``world > 1``.
+        batches: iterator of ``(pack rows, data position)``.
     Returns:
-        ``(mean loss over workers, real tokens over workers, gradient norm, data position)``.
+        ``(loss per label token over workers, real tokens over workers, gradient norm, data position)``.
     """
-    local_losses, tokens = [], 0
-    for k in range(train.grad_accum):
+    micro, tokens = [], 0
+    for _ in range(train.grad_accum):
         rows, position = next(batches)
-        batch = {key: v.to(device) for key, v in collate_packs(rows, pad_id, mask_dtype).items()}
+        micro.append({key: v.to(device) for key, v in collate_packs(rows, pad_id, mask_dtype).items()})
+        tokens += sum(r["num_tokens"] for r in rows)
+    counts = torch.tensor([float(sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro)), float(tokens)])
+    counts = counts.to(device)
+    if world > 1:
+        dist.all_reduce(counts)
+    scale = world / max(counts[0].item(), 1.0)
+    total = torch.zeros((), device=device)
+    for k, batch in enumerate(micro):
         sync = k == train.grad_accum - 1 or world == 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
             with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
-                loss = ddp(**batch).loss
-            scaler.scale(loss / train.grad_accum).backward()
-        local_losses.append(loss.detach().float())
-        tokens += sum(r["num_tokens"] for r in rows)
+                loss_sum = ddp(**batch)
+            scaler.scale(loss_sum * scale).backward()
+        total += loss_sum.detach().float()
     scaler.unscale_(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm if train.max_grad_norm > 0 else float("inf"))
-    stats = torch.stack([torch.stack(local_losses).mean(), torch.tensor(float(tokens))]).to(grad_norm.device)
     if world > 1:
-        dist.all_reduce(stats)
-    loss_value, grad_value = stats[0].item() / world, grad_norm.item()
+        dist.all_reduce(total)
+    loss_value, grad_value = total.item() / max(counts[0].item(), 1.0), grad_norm.item()
     if math.isfinite(loss_value) and math.isfinite(grad_value):
         scaler.step(optimizer)
         scheduler.step()
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, int(stats[1].item()), grad_value, position
+    return loss_value, int(counts[1].item()), grad_value, position
 
 
 @torch.no_grad()
 def evaluate(model, shard, batch_size: int, pad_id: int, mask_dtype, backend: Backend, world: int) -> dict[str, float]:
-    """Token-weighted eval loss and perplexity over every worker's eval shard."""
+    """Eval loss per label token (and perplexity) over every worker's eval shard; ``model``: a ``LossModel``."""
     model.eval()
     device = next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
         tensors = {k: v.to(device) for k, v in collate_packs(batch.to_pylist(), pad_id, mask_dtype).items()}
         with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
-            loss = model(**tensors).loss
-        targets = (tensors["labels"][:, 1:] != -100).sum()
-        total += torch.stack([loss.double() * targets, targets.double()])
+            loss_sum = model(**tensors)
+        targets = (tensors["labels"][:, 1:] != IGNORE_INDEX).sum()
+        total += torch.stack([loss_sum.double(), targets.double()])
     if world > 1:
         dist.all_reduce(total)
     model.train()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +18,6 @@ import torch
 
 from raylora.backends import Backend, resolve_backend
 from raylora.config import JobConfig, to_dict
-from raylora.data.collate import collate_packs
 from raylora.data.encode import tokenizer_spec
 from raylora.data.formats import to_messages
 from raylora.data.pipeline import gather_side
@@ -25,6 +25,8 @@ from raylora.data.read import first_row, iter_blocks
 from raylora.data.sources import plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, worker_spec
 from raylora.models import attach_lora, load_model
+from raylora.train.lm import training_model
+from raylora.train.loop import train_step
 from raylora.train.optim import build_optimizer, build_scheduler
 
 
@@ -93,42 +95,43 @@ def load_packs(cfg: JobConfig, plan: dict, spec: str, out: Path) -> tuple[list[d
 def train_steps(
     model, packs: list[dict], pad_id: int, cfg: JobConfig, backend: Backend, log
 ) -> tuple[list[float], int, float]:
-    """AdamW steps (the training job's optimizer and schedule) over shuffled micro-batches of packs.
+    """The training job's own step (:func:`~raylora.train.loop.train_step`: its optimizer, schedule, objective and
+    speed options) over shuffled micro-batches of packs, in this process.
 
     Returns per-step losses, real tokens seen and seconds."""
     train = cfg.train
-    params = [p for p in model.parameters() if p.requires_grad]
+    loss_model, notes = training_model(model, train, backend)
+    log("training path: " + "; ".join(notes))
     optimizer = build_optimizer(model, train, backend)
     scheduler = build_scheduler(optimizer, train, [1.0])
     scaler = torch.amp.GradScaler(backend.name, enabled=backend.needs_grad_scaler)
-    order = random.Random(train.seed)
-    pool: list[dict] = []
+    device = backend.torch_device()
     losses, tokens = [], 0
     model.train()
+    batches = shuffled(packs, train.batch_size, train.seed)
     start = time.perf_counter()
     for step in range(1, train.max_steps + 1):
-        while len(pool) < train.batch_size:
-            pool += order.sample(packs, len(packs))
-        rows = [pool.pop() for _ in range(train.batch_size)]
-        batch = collate_packs(rows, pad_id, backend.amp_dtype or model.dtype)
-        batch = {k: v.to(backend.torch_device()) for k, v in batch.items()}
-        with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
-            loss = model(**batch).loss
-        scaler.scale(loss).backward()
-        if train.max_grad_norm > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        tokens += sum(r["num_tokens"] for r in rows)
+        loss, seen, _, _ = train_step(
+            loss_model, batches, optimizer, scheduler, scaler, pad_id, backend.amp_dtype or model.dtype, device,
+            train, backend, 1,
+        )  # fmt: skip
+        losses.append(loss)
+        tokens += seen
         backend.synchronize()
         elapsed = time.perf_counter() - start
         log(f"step {step}/{train.max_steps}  loss {losses[-1]:.4f}  tokens/s {tokens / elapsed:.0f}")
     model.eval()
     return losses, tokens, time.perf_counter() - start
+
+
+def shuffled(packs: list[dict], batch_size: int, seed: int) -> Iterator[tuple[list[dict], tuple[int, int]]]:
+    """Micro-batches of packs drawn from a seeded reshuffle of all of them, each time the pool runs low."""
+    order = random.Random(seed)
+    pool: list[dict] = []
+    while True:
+        while len(pool) < batch_size:
+            pool += order.sample(packs, len(packs))
+        yield [pool.pop() for _ in range(batch_size)], (0, 0)
 
 
 @torch.no_grad()

@@ -44,7 +44,10 @@ def registered_checkpoints(out: Path) -> list:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
-    cfg = job(tmp, "train.max_steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=2", "train.grad_accum=2")
+    cfg = job(
+        tmp, "train.max_steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=2", "train.grad_accum=2",
+        "train.recompute_every=1", "train.profile=true",
+    )  # fmt: skip
     return tmp, cfg, fit(cfg, log=lambda s: None)
 
 
@@ -74,7 +77,14 @@ def test_mlflow_run_has_params_metrics_and_artifacts(trained):
     assert steps == [2, 4, 6, 8, 10, 12]
     assert {"tokens_per_s", "lr", "grad_norm", "eval_loss", "peak_memory_mb"} <= set(run.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"adapter", "config.yaml", "loss.png", "history.json"} <= artifacts
+    assert {"adapter", "config.yaml", "loss.png", "history.json", "profile"} <= artifacts
+    profile = {a.path for a in client.list_artifacts(run.info.run_id, "profile")}
+    assert profile == {"profile/trace.json", "profile/top_operators.txt"}
+    table = (tmp / "run" / "profile" / "top_operators.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
+    path = run.data.tags["train.path"]
+    assert run.data.tags["backend.precision_by"].startswith("precision: ") and "fused LoRA: 8 layers" in path
+    assert "recompute: every 1 decoder layer(s)" in path and "chunked loss: on" in path
     assert "adapter/adapter_model.safetensors" in {a.path for a in client.list_artifacts(run.info.run_id, "adapter")}
 
 

@@ -1,3 +1,4 @@
+import math
 import subprocess
 import sys
 
@@ -24,11 +25,12 @@ def fake_npu(monkeypatch):
 
 def test_cpu_is_chosen_when_nothing_else_is_present():
     b = resolve_backend(BackendArgs())
+    fast, _ = cpu.bf16_is_fast()
     assert (b.name, b.dist_backend, b.ray_resource, b.amp_dtype, b.needs_grad_scaler) == (
         "cpu",
         "gloo",
         "CPU",
-        None,
+        torch.bfloat16 if fast else None,
         False,
     )
     assert b.detected_by.startswith("auto:") and "torch_npu is not installed" in b.detected_by
@@ -42,6 +44,54 @@ def test_cpu_precision_can_be_chosen():
     assert resolve_backend(BackendArgs(device="cpu", precision="bf16")).amp_dtype is torch.bfloat16
     b = resolve_backend(BackendArgs(device="cpu", precision="fp16"))
     assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
+
+
+@pytest.fixture
+def cpu_probe(monkeypatch, tmp_path):
+    """A CPU with the given /proc/cpuinfo flags and GEMM speeds (GFLOP/s per dtype); the probe cache cleared."""
+
+    def set_cpu(flags, gflops):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {' '.join(flags)}\n" if flags is not None else "")
+        monkeypatch.setattr(cpu, "CPUINFO", info if flags is not None else tmp_path / "absent")
+        timed = []
+
+        def fake_gemm(dtypes, size=1024, repeats=8):
+            timed.extend(dtypes)
+            return [gflops[d] for d in dtypes]
+
+        monkeypatch.setattr(cpu, "gemm_gflops", fake_gemm)
+        cpu.bf16_is_fast.cache_clear()
+        return timed
+
+    yield set_cpu
+    cpu.bf16_is_fast.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "flags,gflops,dtype,timed",
+    [
+        (["fpu", "avx512f", "avx512_bf16"], {torch.float32: 215, torch.bfloat16: 900}, torch.bfloat16, True),
+        (["fpu", "amx_bf16", "amx_tile"], {torch.float32: 200, torch.bfloat16: 1800}, torch.bfloat16, True),
+        (["fpu", "avx512_bf16"], {torch.float32: 200, torch.bfloat16: 250}, None, True),  # flags, but slow units
+        (["fpu", "avx2", "fma"], {torch.float32: 200, torch.bfloat16: 900}, None, False),  # no flags: not even timed
+        (None, {torch.float32: 100, torch.bfloat16: 400}, torch.bfloat16, True),  # no cpuinfo (macOS): timed
+    ],
+)
+def test_cpu_auto_precision_is_probed(cpu_probe, flags, gflops, dtype, timed):
+    calls = cpu_probe(flags, gflops)
+    b = resolve_backend(BackendArgs(device="cpu"))
+    assert b.amp_dtype is dtype and not b.needs_grad_scaler
+    assert bool(calls) is timed
+    assert b.precision_by.startswith(f"auto: {b.precision} (")
+    if timed:
+        assert f"bf16 {gflops[torch.bfloat16]} vs fp32 {gflops[torch.float32]} GFLOP/s" in b.precision_by
+    assert resolve_backend(BackendArgs(device="cpu", precision="fp32")).amp_dtype is None
+
+
+def test_the_gemm_probe_measures_something():
+    fp32, bf16 = cpu.gemm_gflops((torch.float32, torch.bfloat16), size=128, repeats=2)
+    assert fp32 > 0 and bf16 > 0 and all(map(math.isfinite, (fp32, bf16)))
 
 
 def test_npu_asked_for_without_torch_npu_says_how_to_install():
@@ -89,6 +139,7 @@ def test_npu_autocast_follows_the_soc(fake_npu, soc, dtype, scaler):
     fake_npu(soc)
     b = resolve_backend(BackendArgs(device="npu"))
     assert (b.amp_dtype, b.needs_grad_scaler) == (dtype, scaler)
+    assert b.precision_by.startswith(f"auto: {b.precision} ({soc} has")
 
 
 def test_bf16_on_910a_is_refused(fake_npu):
@@ -135,6 +186,7 @@ def test_cuda_backend_shape(monkeypatch):
         "CUDA_VISIBLE_DEVICES",
     )
     assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
+    assert b.precision_by == "auto: fp16 (torch.cuda.is_bf16_supported() is False)"
     assert b.scaling(4) == {"num_workers": 4, "use_gpu": True}
 
 
@@ -153,3 +205,47 @@ def test_importing_raylora_never_imports_torch_npu():
         "assert 'torch_npu' not in sys.modules and 'torchair' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_one_profiler_wrapper_same_schedule_on_npu(fake_npu, monkeypatch, tmp_path):
+    """On NPU the wrapper builds torch_npu.profiler's profile with the schedule torch.profiler gets elsewhere."""
+    import types
+
+    from raylora.backends.base import PROFILE_SCHEDULE
+
+    made = {}
+    fake = types.SimpleNamespace(
+        ProfilerActivity=types.SimpleNamespace(CPU="cpu-activity", NPU="npu-activity"),
+        schedule=lambda **kw: ("schedule", kw),
+        tensorboard_trace_handler=lambda folder: ("handler", folder),
+        profile=lambda **kw: made.update(kw) or "npu-profiler",
+    )
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(profiler=fake))
+    fake_npu("Ascend910B2")
+    assert resolve_backend(BackendArgs()).profiler(tmp_path / "p") == "npu-profiler"
+    assert made["activities"] == ["cpu-activity", "npu-activity"]
+    assert made["schedule"] == ("schedule", PROFILE_SCHEDULE)
+    assert made["on_trace_ready"] == ("handler", str(tmp_path / "p"))
+
+
+def test_cpu_profiler_writes_trace_and_top_operators(tmp_path):
+    prof = resolve_backend(BackendArgs(device="cpu")).profiler(tmp_path / "p")
+    a = torch.randn(64, 64)
+    with prof:
+        for _ in range(6):
+            (a @ a).sum()
+            prof.step()
+    assert (tmp_path / "p" / "trace.json").stat().st_size > 0
+    assert "aten::mm" in (tmp_path / "p" / "top_operators.txt").read_text()
+
+
+def test_compile_backend_is_torchair_on_npu(fake_npu, monkeypatch):
+    import types
+
+    fake = types.SimpleNamespace(
+        CompilerConfig=lambda: "config", get_npu_backend=lambda compiler_config: ("ge", compiler_config)
+    )
+    monkeypatch.setitem(sys.modules, "torchair", fake)
+    fake_npu("Ascend910B2")
+    assert resolve_backend(BackendArgs()).compile_backend() == ("ge", "config")
+    assert resolve_backend(BackendArgs(device="cpu")).compile_backend() == "inductor"

@@ -1,0 +1,113 @@
+"""Fused LoRA linear for training: one down-projection for the layers that share an input, scaling folded in.
+
+peft's LoRA linear computes ``base(x) + B(A(dropout(x))) * scaling`` in every adapted layer: two small
+matrix products, a dropout (an identity module at p=0) and an elementwise scale over the whole (tokens,
+out_features) output, then an add. Here, in each adapted layer:
+
+- the down-projections of siblings that read the same input (q/k/v of attention, gate/up of the MLP) run as
+  one matrix product against their stacked ``A`` weights, rank columns each, at dropout 0 or in eval mode;
+- the scaling multiplies ``B`` (rank x out elements) instead of the output, and the up-projection is added
+  to the base output by one ``addmm``.
+
+Parameters are peft's own, untouched, so ``save_pretrained`` still writes a plain peft adapter. A layer holding
+DoRA, a LoRA bias, several active adapters, merged weights or disabled adapters runs peft's forward. With
+dropout above 0 each layer keeps its own dropout mask (as peft does) and its own down-projection. The reference
+is peft's forward; ``tests/unit/test_ops_fused_lora.py`` holds the fused path to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylora.ops.lora import plain_lora
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one parent reading one input
+
+
+class _Group:
+    """Siblings sharing one down-projection; ``parts`` holds the latest input's result until the parent returns."""
+
+    def __init__(self, members: list[nn.Module]):
+        self.members = members
+        self.x: torch.Tensor | None = None
+        self.parts: dict[int, torch.Tensor] = {}
+
+    def down(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``x @ A.T`` for ``layer``; the first sibling to see ``x`` computes every sibling's at once."""
+        if self.x is not x:
+            if layer is not self.members[0]:  # a sibling got another tensor: no shared input to use
+                return None
+            weights = [m.lora_A[m.active_adapters[0]].weight for m in self.members]
+            both = F.linear(_lora_input(x, weights[0]), torch.cat(weights))
+            self.x = x
+            self.parts = dict(
+                zip(map(id, self.members), both.split([w.shape[0] for w in weights], dim=-1), strict=True)
+            )
+        return self.parts.pop(id(layer), None)
+
+    def clear(self, *_) -> None:
+        self.x, self.parts = None, {}
+
+
+def _lora_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # autocast casts inside the matmul; without it, a bf16 base feeding fp32 LoRA weights needs the cast
+    return x if torch.is_autocast_enabled(x.device.type) else x.to(weight.dtype)
+
+
+def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``base(x) + (x A^T)(s B)^T`` for one plain LoRA linear; peft's forward for anything else. x: (..., in)."""
+    active = self.active_adapters
+    if (
+        self.disable_adapters
+        or self.merged
+        or kwargs.get("adapter_names") is not None
+        or len(active) != 1
+        or active[0] not in self.lora_A
+    ):
+        return type(self).forward(self, x, *args, **kwargs)
+    name = active[0]
+    a, b = self.lora_A[name].weight, self.lora_B[name].weight
+    result = self.base_layer(x, *args, **kwargs)
+    dropout = self.lora_dropout[name]
+    shared = self._raylora_group is not None and (not self.training or getattr(dropout, "p", 0.0) == 0)
+    down = self._raylora_group.down(self, x) if shared else None
+    if down is None:
+        down = F.linear(dropout(_lora_input(x, a)), a)
+    up = (b * self.scaling[name]).to(down.dtype)
+    flat = torch.addmm(result.reshape(-1, result.shape[-1]).to(down.dtype), down.reshape(-1, down.shape[-1]), up.T)
+    return flat.reshape(result.shape).to(result.dtype)
+
+
+def fuse_lora(model: nn.Module) -> int:
+    """Give every plain single-adapter LoRA linear of a peft ``model`` the fused forward, in place.
+
+    Args:
+        model: a peft model (or any module holding peft LoRA linears).
+    Returns:
+        The number of layers now running the fused forward; siblings listed in :data:`SIBLINGS` under one
+        parent share a down-projection.
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+
+    count = 0
+    for parent in model.modules():
+        children = {n: m for n, m in parent.named_children() if isinstance(m, LoraLinear)}
+        for layer in children.values():
+            if not plain_lora(layer, list(layer.lora_A)):
+                continue
+            layer._raylora_group = None
+            layer.forward = _fused_forward.__get__(layer)
+            count += 1
+        for names in SIBLINGS:
+            members = [
+                children[n] for n in names if n in children and getattr(children[n], "_raylora_group", 1) is None
+            ]
+            if len(members) < 2 or len({m.in_features for m in members}) != 1:
+                continue
+            group = _Group(members)
+            for m in members:
+                m._raylora_group = group
+            parent.register_forward_hook(group.clear)
+    return count

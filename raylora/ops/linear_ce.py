@@ -1,0 +1,101 @@
+"""Chunked linear + cross-entropy for the LM head: the full logits tensor is never materialised.
+
+A causal LM's head turns (tokens, hidden) into (tokens, vocabulary) logits; for SmolLM2 a 2 x 512 micro-batch
+makes 1,024 x 49,152 fp32 logits (200 MB), kept by autograd for the backward together with their softmax.
+Here only the label positions are scored, a chunk of rows at a time, and each chunk's gradient with respect to
+its hidden rows (and to the head's weight, when that is trained) is computed at once in the forward, so the
+memory held is one chunk of logits and the (label tokens, hidden) gradient. The backward scales the stored
+gradients by the incoming one. The plain reference is :func:`linear_cross_entropy_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MB in fp32, large enough to keep the GEMM efficient
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows, dtype):
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        w = weight.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], rows):
+                h = hidden[start : start + rows].to(dtype)
+                t = targets[start : start + rows]
+                logits = (h @ w.T).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                if not (want_h or want_w):
+                    continue
+                # d(sum of CE)/d(logits) = softmax - one_hot(target), computed in place over the logits
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad[torch.arange(t.shape[0], device=t.device), t] -= 1
+                grad = grad.to(dtype)
+                if want_h:
+                    grad_h[start : start + rows] = grad @ w
+                if want_w:
+                    grad_w += (grad.T @ h).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.saved_tensors
+        return (
+            grad_h * grad_total.to(grad_h.dtype) if grad_h is not None else None,
+            (grad_w * grad_total).to(ctx.weight_dtype) if grad_w is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Sum over rows of ``cross_entropy(hidden @ weight.T, targets)``, scored a chunk of rows at a time.
+
+    Args:
+        hidden: (N, H) the hidden states of the positions to score (label positions only).
+        weight: (V, H) the LM head's weight (frozen or trained).
+        targets: (N,) token ids in [0, V); no ignore index (select the label positions before).
+        dtype: dtype of the matrix products (the autocast dtype in training; ``None``: the hidden states' dtype).
+            Log-sum-exp and the loss are always fp32.
+    Returns:
+        The summed loss, a 0-d fp32 tensor; its gradient reaches ``hidden`` and ``weight``.
+    """
+    if hidden.shape[0] == 0:
+        return (hidden.sum() + weight.sum()).float() * 0
+    rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, targets, rows, dtype or hidden.dtype)
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The plain path :func:`linear_cross_entropy` is held to: full logits, then ``F.cross_entropy`` (sum)."""
+    dtype = dtype or hidden.dtype
+    logits = F.linear(hidden.to(dtype), weight.to(dtype)).float()
+    return F.cross_entropy(logits, targets, reduction="sum")
+
+
+def label_positions(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states that predict a label, and those labels (the usual shift by one).
+
+    Args:
+        hidden: (B, T, H) the decoder's output.
+        labels: (B, T) token ids, ``-100`` where nothing is learnt (prompt, padding).
+    Returns:
+        ``(hidden rows (N, H), targets (N,))`` for the N positions t whose next token ``labels[:, t + 1]`` is a label.
+    """
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    return hidden[:, :-1][keep], targets[keep]

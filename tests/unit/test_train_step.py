@@ -1,0 +1,143 @@
+"""The training objective: loss per label token over every micro-batch and worker of a step.
+
+The same four sequences (with different numbers of label tokens) trained as one micro-batch, as four
+accumulated micro-batches, and on two real DDP workers (gloo, two processes) must give the same loss,
+gradient norm and update (plain SGD, lr 1, no clipping: the update is the gradient). Also: the training
+model's options (fused LoRA, chunked loss, recompute) leave the loss and gradients unchanged.
+"""
+
+import multiprocessing
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from raylora.backends import resolve_backend
+from raylora.config import BackendArgs, LoraArgs, TrainArgs
+from raylora.models import attach_lora, randomise_lora, tiny_model
+from raylora.train.lm import training_model
+from raylora.train.loop import train_step
+
+BACKEND = resolve_backend(BackendArgs(device="cpu", precision="fp32"))
+
+
+def _rows() -> list[dict]:
+    gen = random.Random(0)
+    rows = []
+    for length, prompt in ((12, 3), (7, 5), (16, 2), (9, 7)):  # 9, 2, 14 and 2 label tokens
+        ids = [gen.randrange(3, 200) for _ in range(length)]
+        rows.append({
+            "input_ids": ids, "labels": [-100] * prompt + ids[prompt:], "position_ids": list(range(length)),
+            "seq_lens": [length], "num_tokens": length,
+        })  # fmt: skip
+    return rows
+
+
+def _model(**train):
+    model = attach_lora(tiny_model("llama"), LoraArgs(rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"]))
+    randomise_lora(model, 3, 0.1)
+    return training_model(model, TrainArgs(**train), BACKEND)
+
+
+def _step(loss_model, rows: list[dict], per_micro: int, world: int) -> dict:
+    params = [p for p in loss_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    batches = iter([(rows[i : i + per_micro], (0, i)) for i in range(0, len(rows), per_micro)])
+    train = TrainArgs(grad_accum=len(rows) // per_micro, max_grad_norm=0.0)
+    ddp = DistributedDataParallel(loss_model) if world > 1 else loss_model
+    loss, tokens, norm, _ = train_step(
+        ddp, batches, optimizer, scheduler, scaler, 0, torch.float32, torch.device("cpu"), train, BACKEND, world
+    )
+    named = {n: p.detach().clone() for n, p in loss_model.named_parameters() if p.requires_grad}
+    return {"loss": loss, "tokens": tokens, "norm": norm, "params": named}
+
+
+def _assert_same(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert a["tokens"] == b["tokens"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=tol) and a["norm"] == pytest.approx(b["norm"], rel=tol)
+    for name in a["params"]:
+        torch.testing.assert_close(a["params"][name], b["params"][name], atol=tol, rtol=tol, msg=name)
+
+
+def _ddp_worker(rank: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    loss_model, _ = _model()
+    result = _step(loss_model, _rows()[2 * rank : 2 * rank + 2], per_micro=1, world=2)
+    if rank == 0:
+        torch.save(result, f"{folder}/result.pt")
+    dist.destroy_process_group()
+
+
+def test_accumulation_and_workers_do_not_change_the_objective(tmp_path):
+    whole = _step(_model()[0], _rows(), per_micro=4, world=1)
+    accumulated = _step(_model()[0], _rows(), per_micro=1, world=1)
+    _assert_same(accumulated, whole)
+    # the objective is the mean over label tokens, not the mean of per-micro-batch means
+    plain = _model()[0]
+    with torch.no_grad():
+        sums = [plain(**_batch(r)).item() for r in _rows()]
+    assert whole["loss"] == pytest.approx(sum(sums) / 27, rel=1e-5)
+    assert abs(whole["loss"] - sum(s / n for s, n in zip(sums, (9, 2, 14, 2), strict=True)) / 4) > 1e-3
+
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_ddp_worker, args=(r, str(tmp_path))) for r in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=300)
+        assert w.exitcode == 0
+    _assert_same(torch.load(tmp_path / "result.pt"), whole)
+
+
+def _batch(row: dict) -> dict:
+    from raylora.data.collate import collate_packs
+
+    return collate_packs([row], 0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fused_lora": False, "chunked_loss": True},
+        {"fused_lora": True, "chunked_loss": False},
+        {"fused_lora": True, "chunked_loss": True, "recompute_every": 1},
+        {"fused_lora": True, "chunked_loss": True, "recompute_every": 2},
+    ],
+)
+def test_training_options_keep_the_loss_and_gradients(options):
+    reference, notes = _model(fused_lora=False, chunked_loss=False)
+    assert notes == ["precision: asked for: fp32"]
+    ours, notes = _model(**options)
+    assert any(n.startswith("chunked loss: on") for n in notes) is options["chunked_loss"]
+    _assert_same(_step(ours, _rows(), per_micro=2, world=1), _step(reference, _rows(), per_micro=2, world=1))
+
+
+def test_recompute_checkpoints_every_nth_layer():
+    loss_model, notes = _model(recompute_every=2)
+    layers = loss_model.model.get_base_model().model.layers
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    assert "recompute: every 2 decoder layer(s), non-reentrant" in notes
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager():
+    eager = _step(_model()[0], _rows(), per_micro=2, world=1)
+    compiled_model, notes = _model(compile=True)
+    assert "torch.compile: each decoder layer, backend inductor" in notes
+    _assert_same(_step(compiled_model, _rows(), per_micro=2, world=1), eager, tol=1e-4)
+
+
+def test_ray_train_per_step_report_line_is_silenced():
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    from raylora.train.loop import quiet_report_logs
+
+    quiet_report_logs()
+    assert not context.logger.isEnabledFor(logging.INFO) and context.logger.isEnabledFor(logging.WARNING)
