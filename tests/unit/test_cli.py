@@ -1,8 +1,6 @@
 import subprocess
 import sys
 
-import pytest
-
 from raylora.cli import COMMANDS, main
 
 
