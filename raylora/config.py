@@ -132,7 +132,7 @@ class TrainArgs:
 
 @dataclass
 class TuneArgs:
-    space: dict[str, dict[str, Any]] = _f(
+    space: dict[str, Any] = _f(
         help="search space: a lora.* or train.* key -> one distribution: {choice: [v, ...]}, {grid: [v, ...]}, "
         "{uniform: [low, high]}, {loguniform: [low, high]}, {randint: [low, high]} (high excluded)",
         factory=dict,

@@ -128,6 +128,8 @@ def _check_entry(cfg: JobConfig, key: str, spec: Any) -> list[tuple[str, str]]:
     if kind in RANGES:
         field_type = typing.get_type_hints(SWEPT_SECTIONS[section])[name]
         number = int if kind == "randint" else (int, float)
+        if field_type is int and kind != "randint":
+            return [(where, f"{kind} samples floats, and {key} is an integer; use randint or choice")]
         if field_type not in (int, float) or (kind == "randint" and field_type is not int):
             wanted = "an integer" if kind == "randint" else "a number"
             return [
