@@ -48,6 +48,10 @@ def head():
     subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2", f"--temp-dir={temp_dir}",
+         # every port of its own: another cluster on this machine may hold Ray's defaults (the job agent's 52365)
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+         f"--ray-client-server-port={free_port()}",
          "--disable-usage-stats"],
         env=env, check=True, capture_output=True, timeout=120,
     )  # fmt: skip
@@ -60,7 +64,7 @@ def head():
 
 def submit(address: str, env: dict, root: Path, *args: str, runtime_env: dict | None = None):
     extra = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
-    for _ in range(60):  # the head's job agent starts a little after `ray start` returns
+    for _ in range(15):  # the head's job agent starts a little after `ray start` returns
         proc = subprocess.run(
             [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(root), *extra, "--",
              sys.executable, *args],
