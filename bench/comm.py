@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -96,10 +95,10 @@ def _all_reduce_times() -> list[float]:
     return times
 
 
-def _worker(rank: int, port: int, steps: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, steps: int, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
     results = [_run(options, steps, rank) for options in HOOKS]
     results.append(_all_reduce_times())
     torch.save(results, f"{out}/rank{rank}.pt")
@@ -110,11 +109,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(port, args.steps, out), nprocs=2)
+        mp.spawn(_worker, args=(args.steps, out), nprocs=2)
         results = torch.load(f"{out}/rank0.pt", weights_only=False)
     measured = results.pop()
     base = results[0]

@@ -6,19 +6,17 @@ import argparse
 import sys
 
 from raylora.config import ConfigError, load_config
+from raylora.paths import anchor_outputs
 
 COMMANDS = {
     "quickstart": "single-process LoRA fine-tune of a few steps, save the adapter, answer a question",
     "prepare": "tokenise, mask and pack instruction data into Parquet shards with Ray Data",
     "train": "LoRA fine-tune on N workers with Ray Train",
-    "tune": "sweep LoRA rank and learning rate with Ray Tune",
+    "tune": "search LoRA rank, alpha, learning rate (any lora.* / train.* key) with Ray Tune and ASHA",
     "export": "write a merged or quantised model folder",
     "serve": "serve the base model and adapters over an OpenAI-compatible HTTP API",
     "plan": "predict step time and scaling efficiency on 1 to 256 cards, with and without gradient compression",
     "doctor": "check that this environment can run a job, and say what to fix",
-}
-NOT_YET = {
-    "tune": "the Ray Tune sweep issue, after issue #4",
 }
 
 
@@ -42,18 +40,21 @@ def parser() -> argparse.ArgumentParser:
                 "--mfu", type=float, help="share of the card's peak a step reaches (default: measured here)"
             )
             cmd.add_argument("--out", help="PNG chart path (default: <train.output_dir>/plan.png)")
+        if name == "tune":
+            cmd.add_argument("--resume", action="store_true", help="continue the sweep in train.output_dir")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit code (0 ok, 1 run failed, 2 bad input or not available)."""
     args = parser().parse_args(argv)
-    if args.command in NOT_YET:
-        print(f"raylora {args.command}: not available yet; it lands with {NOT_YET[args.command]}. "
-              "Until then `raylora quickstart CONFIG` runs the single-process fine-tune.", file=sys.stderr)  # fmt: skip
-        return 2
     try:
         cfg = load_config(args.config, args.overrides)
+        cfg = anchor_outputs(cfg, args.command, args.config)
+        if args.command == "tune":
+            from raylora.tune.space import check
+
+            check(cfg)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         elif args.command == "plan":
             run_plan(cfg, args)
+        elif args.command == "tune":
+            from raylora.tune.sweep import sweep
+
+            sweep(cfg, resume=args.resume)
         elif args.command == "train":
             from raylora.train.fit import fit
 
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             from raylora.train.quickstart import run_quickstart
 
             run_quickstart(cfg)
+    except ConfigError as e:  # a sweep's trial that does not fit the cluster, found once Ray is up
+        print(e, file=sys.stderr)
+        return 2
     except expected as e:
         print(f"raylora {args.command}: {e}", file=sys.stderr)
         return 1

@@ -164,12 +164,38 @@ class TrainArgs:
 
 @dataclass
 class TuneArgs:
-    num_samples: int = _f(4, help="trials to run", min=1)
-    ranks: list[int] = _f(help="LoRA ranks to search", factory=lambda: [8, 16], nonempty=True, min=1)
-    lr_min: float = _f(1e-5, help="lower bound of the log-uniform lr search", gt=0)
-    lr_max: float = _f(1e-3, help="upper bound of the log-uniform lr search", gt=0)
-    metric: str = _f("eval_loss", help="metric to optimise", nonempty=True)
+    space: dict[str, Any] = _f(
+        help="search space: a lora.* or train.* key -> one distribution: {choice: [v, ...]}, {grid: [v, ...]}, "
+        "{uniform: [low, high]}, {loguniform: [low, high]}, {randint: [low, high]} (high excluded)",
+        factory=dict,
+    )
+    search: str = _f(
+        "random",
+        help="random: sample each trial; grid: every combination of grid/choice values; optuna: TPE (needs optuna)",
+        choices=("random", "grid", "optuna"),
+    )
+    scheduler: str = _f(
+        "asha",
+        help="asha stops trials whose metric lags at each rung of steps; none runs every trial to train.max_steps",
+        choices=("asha", "none"),
+    )
+    num_samples: int = _f(4, help="trials to run (with search: grid, passes over the whole grid)", min=1)
+    metric: str = _f(
+        "eval_loss",
+        help="metric to optimise, as training reports it (eval_* every train.eval_every steps; loss every log_every)",
+        choices=("eval_loss", "eval_perplexity", "loss"),
+    )
     mode: str = _f("min", help="optimisation direction", choices=("min", "max"))
+    max_concurrent: int | None = _f(
+        None, help="trials run at once (None: as many as the cluster's CPUs / GPUs / NPUs fit)", min=1
+    )
+    grace_steps: int | None = _f(
+        None, help="steps every trial runs before ASHA may stop it (None: train.eval_every)", min=1
+    )
+    reduction_factor: int = _f(2, help="ASHA keeps 1 / reduction_factor of the trials at each rung", min=2)
+    register_as: str | None = _f(
+        None, help="MLflow registered model name of the best adapter (None: the name of train.output_dir's folder)"
+    )
 
 
 @dataclass
@@ -378,6 +404,8 @@ _BAD = object()
 
 
 def _coerce(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> Any:
+    if tp is Any:  # checked by the section's own validation (tune.space: raylora.tune.space)
+        return value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -450,8 +478,6 @@ def _check_rules(value: Any, rules: Any, path: str, problems: list[tuple[str, st
 def _check_relations(cfg: JobConfig, problems: list[tuple[str, str]]) -> None:
     if cfg.data.eval_fraction > 0 and cfg.data.eval_count is not None:
         problems.append(("data.eval_count", "set either data.eval_fraction or data.eval_count, not both"))
-    if cfg.tune.lr_min > cfg.tune.lr_max:
-        problems.append(("tune.lr_min", f"got {cfg.tune.lr_min}, must not exceed tune.lr_max ({cfg.tune.lr_max})"))
 
 
 def _check_sources(data: DataArgs, problems: list[tuple[str, str]]) -> None:

@@ -44,8 +44,13 @@ def check_reachable(uri: str) -> None:
         ) from None
 
 
-def start_run(args: TrackingArgs, run_name: str, params: dict[str, Any]) -> str | None:
-    """Create the job's run with its parameters; returns the run id (``None`` when tracking is off)."""
+def start_run(
+    args: TrackingArgs, run_name: str, params: dict[str, Any], tags: dict[str, str] | None = None
+) -> str | None:
+    """Create the job's run with its parameters and ``tags``; returns the run id (``None`` when tracking is off).
+
+    A ``mlflow.parentRunId`` tag nests the run under that run (a sweep's trials under the sweep).
+    """
     if not args.enabled:
         return None
     import mlflow
@@ -54,13 +59,56 @@ def start_run(args: TrackingArgs, run_name: str, params: dict[str, Any]) -> str 
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(uri)
-    experiment = client.get_experiment_by_name(args.experiment)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(args.experiment)
-    run = client.create_run(experiment_id, run_name=run_name)
+    run = client.create_run(experiment_id(client, uri, args.experiment), run_name=run_name, tags=tags)
     for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
         chunk = list(params.items())[i : i + 100]
         client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)[:6000]) for k, v in chunk])
     return run.info.run_id
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment's artifacts go, chosen explicitly so they never depend on a working folder.
+
+    MLflow's default for a SQLite store is ``./mlruns`` resolved against the working folder of the
+    process that creates the experiment; under ``ray job submit`` that is Ray's temporary copy of the
+    job's folder, and every later run of the experiment would write there too.
+
+    Returns:
+        ``mlartifacts/`` beside a SQLite file; ``None`` (the store decides) for a tracking server,
+        whose own artifact root applies, and for a ``file:`` store, which keeps artifacts in itself.
+    Raises:
+        TrackingError: another database URI, for which no durable local folder is known.
+    """
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+    if uri.startswith(("http://", "https://", "databricks")) or "://" not in uri or uri.startswith("file:"):
+        return None
+    raise TrackingError(
+        f"tracking.uri={uri}: raylora cannot tell where artifacts of this store should live. Serve it with "
+        f"`mlflow server --backend-store-uri {uri} --artifacts-destination <durable folder or bucket>` and set "
+        "tracking.uri to the server's http:// address, or use an absolute sqlite://// path."
+    )
+
+
+def experiment_id(client, uri: str, name: str) -> str:
+    """The id of experiment ``name``, created with an explicit artifact location when missing.
+
+    Raises:
+        TrackingError: the experiment exists but keeps its artifacts in Ray's temporary copy of a job's
+            working folder (made by an earlier version), where Ray deletes them.
+    """
+    from raylora.paths import RAY_COPY_MARK
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        return client.create_experiment(name, artifact_location=artifact_location(uri))
+    if RAY_COPY_MARK in experiment.artifact_location:
+        raise TrackingError(
+            f"MLflow experiment {name!r} keeps its artifacts in {experiment.artifact_location}, Ray's temporary copy "
+            "of an earlier job's working folder, which Ray deletes. Choose a new tracking.experiment (its artifacts "
+            "will go beside the store)."
+        )
+    return experiment.experiment_id
 
 
 def metric_logger(uri: str | None, run_id: str | None, rank: int) -> Callable[[dict[str, float], int], None] | None:

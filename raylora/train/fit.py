@@ -24,7 +24,7 @@ from raylora.tracking import finish_run, start_run, tracking_uri
 from raylora.train.loop import train_worker
 from raylora.train.plot import plot_history
 
-# Ray Data's read tasks each ask for a whole CPU: the workers must leave one free or training waits forever.
+# The streamed pipeline's tasks each ask for a whole CPU: the workers must leave one free or training waits forever.
 READ_CPUS = 1.0
 
 
@@ -41,93 +41,48 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
         DataError, TrackingError, BackendError: before any worker starts.
         TrainingError: the run failed or diverged.
     """
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+    worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)  # a missing device fails first
     out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     streamed = stream(cfg, out / "data") if cfg.data.streaming else None
-    if streamed is None:
-        splits = prepare(cfg, log=log)["splits"]
-        needed = cfg.train.num_workers * cfg.train.batch_size
-        if splits["train"]["packs"] < needed:
-            raise DataError(
-                f"the training data has {splits['train']['packs']} sequences, fewer than one micro-batch per worker "
-                f"(train.num_workers={cfg.train.num_workers} x train.batch_size={cfg.train.batch_size} = {needed}). "
-                "Add data, lower data.cutoff_len or turn off data.packing, or use fewer workers or a smaller batch."
-            )
+    splits = None if streamed is not None else prepare_checked(cfg, log)
     ensure_ray()
     import ray
-    import ray.data
 
-    spare = ray.cluster_resources().get("CPU", 0) - cfg.train.num_workers * cfg.train.cpus_per_worker
-    if spare < READ_CPUS:
-        raise DataError(
-            f"the workers would take {cfg.train.num_workers * cfg.train.cpus_per_worker:g} of the cluster's "
-            f"{ray.cluster_resources().get('CPU', 0):g} CPUs, leaving less than {READ_CPUS:g} for Ray Data to read the data, "
-            "so training would wait forever. Lower train.cpus_per_worker or train.num_workers."
-        )
-    run_id = start_run(cfg.tracking, out.name, _flatten(to_dict(cfg)))
-
+    if streamed is not None:
+        # The streamed pipeline tokenises as training reads, in tasks that each take a whole CPU.
+        spare = ray.cluster_resources().get("CPU", 0) - cfg.train.num_workers * cfg.train.cpus_per_worker
+        if spare < READ_CPUS:
+            raise DataError(
+                f"the workers would take {cfg.train.num_workers * cfg.train.cpus_per_worker:g} of the cluster's "
+                f"{ray.cluster_resources().get('CPU', 0):g} CPUs, leaving less than {READ_CPUS:g} for Ray Data to run "
+                "the streamed pipeline, so training would wait forever. Lower train.cpus_per_worker or "
+                "train.num_workers, or prepare the data first (data.streaming=false)."
+            )
+    run_id = start_run(cfg.tracking, out.name, flatten(to_dict(cfg)))
     if streamed is not None:
         datasets = streamed
         log(f"streaming the data through the pipeline as training reads it; rejects and summary in {out / 'data'}")
     else:
-        datasets = {"train": ray.data.read_parquet(splits["train"]["shards"])}
-        if splits["eval"]["packs"]:
-            datasets["eval"] = ray.data.read_parquet(splits["eval"]["shards"])
-    trainer = TorchTrainer(
-        train_worker,
-        train_loop_config={
-            "cfg": {**to_dict(cfg), "train": {**to_dict(cfg.train), "output_dir": str(out)}},
-            "tracking_uri": tracking_uri(cfg.tracking) if run_id else None,
-            "run_id": run_id,
-            "has_eval": "eval" in datasets,
-        },
-        torch_config=TorchConfig(backend=dist_backend),
-        scaling_config=ScalingConfig(**scaling),
-        run_config=RunConfig(
-            name="ray",
-            storage_path=str(out),
-            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            worker_runtime_env={"env_vars": env} if env else None,
-        ),
-        datasets=datasets,
-        # Ray splits every dataset equally across workers, dropping rows to do so: a small eval set could leave
-        # each worker none. Each worker reads the whole eval set instead (the token-weighted all-reduce is unchanged).
-        dataset_config=DataConfig(datasets_to_split=["train"]),
-    )
+        datasets = shard_datasets(splits)
+    trainer = build_trainer(cfg, out, datasets, run_id, run_settings(cfg, out))
     try:
         result = trainer.fit()
     except Exception as e:
         finish_run(cfg.tracking, run_id, [], "FAILED")
         raise TrainingError(_explain(e, out)) from None
-    outcome = result.return_value or {}
-    if outcome.get("status") != "done" or result.checkpoint is None:
-        finish_run(cfg.tracking, run_id, [], "FAILED")
-        raise TrainingError(
-            f"training diverged: non-finite loss or gradients for train.nan_tolerance={cfg.train.nan_tolerance} steps "
-            "in a row, again after rolling back to the last good checkpoint with half the learning rate. Likely causes: "
-            f"a learning rate too high (train.lr={cfg.train.lr}), Adam's epsilon too small under fp16 "
-            f"(train.adam_eps={cfg.train.adam_eps}), or a LoRA rank/alpha that scales updates too far "
-            f"(lora.rank={cfg.lora.rank}, lora.alpha={cfg.lora.alpha})."
-        )
-    if streamed is not None:
-        try:
+    try:
+        outcome = check_outcome(result, cfg)
+        if streamed is not None:
             summary = finish_stream(out / "data", cfg.data)
-        except Exception:
-            finish_run(cfg.tracking, run_id, [], "FAILED")
-            raise
-        log(f"streamed {summary['rows_read']} rows: kept {summary['rows_kept']}, rejected {summary['rows_rejected']}")
+            log(
+                f"streamed {summary['rows_read']} rows: kept {summary['rows_kept']}, rejected {summary['rows_rejected']}"
+            )
+    except Exception:
+        finish_run(cfg.tracking, run_id, [], "FAILED")
+        raise
     with result.checkpoint.as_directory() as folder:
-        shutil.rmtree(out / "adapter", ignore_errors=True)
-        shutil.copytree(Path(folder) / "adapter", out / "adapter")
-        history = json.loads((Path(folder) / "history.json").read_text())
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))
-    (out / "history.json").write_text(json.dumps(history, indent=1))
-    plot_history(history, out / "loss.png")
+        history = save_outputs(Path(folder), cfg, out)
     finish_run(
         cfg.tracking,
         run_id,
@@ -150,11 +105,121 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     }
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def prepare_checked(cfg: JobConfig, log=print) -> dict[str, Any]:
+    """Prepare (or reuse) the shards and check there is a micro-batch per worker; returns ``prepare()['splits']``.
+
+    Raises:
+        DataError: bad data, or fewer training sequences than ``num_workers x batch_size``.
+    """
+    splits = prepare(cfg, log=log)["splits"]
+    needed = cfg.train.num_workers * cfg.train.batch_size
+    if splits["train"]["packs"] < needed:
+        raise DataError(
+            f"the training data has {splits['train']['packs']} sequences, fewer than one micro-batch per worker "
+            f"(train.num_workers={cfg.train.num_workers} x train.batch_size={cfg.train.batch_size} = {needed}). "
+            "Add data, lower data.cutoff_len or turn off data.packing, or use fewer workers or a smaller batch."
+        )
+    return splits
+
+
+def shard_datasets(splits: dict[str, Any]) -> dict[str, Any]:
+    """Ray datasets over the prepared Parquet shards: ``train``, and ``eval`` when the eval split has packs.
+
+    The shards are read here, on the driver, into Ray's object store (one block per shard file), so no
+    Ray Data task runs during training. Ray Data's read tasks (and its file-listing task, whatever
+    ``num_cpus`` the read is given) each ask for a whole CPU: workers holding every CPU, such as two
+    one-CPU trials of a sweep on two cores, would wait forever for their data. Prepared shards are
+    compact token ids (about 12 bytes per token); a corpus too large to hold in memory is read with
+    ``data.streaming`` instead.
+    """
+    import pyarrow.parquet as pq
+    import ray.data
+
+    def read(split: str):
+        files = sorted(Path(splits[split]["shards"]).glob("*.parquet"))
+        return ray.data.from_arrow([pq.read_table(path) for path in files])
+
+    return {"train": read("train"), **({"eval": read("eval")} if splits["eval"]["packs"] else {})}
+
+
+def build_trainer(cfg: JobConfig, out: Path, datasets: dict[str, Any], run_id: str | None, run_config: dict[str, Any]):
+    """The TorchTrainer of one training run writing to ``out``, logging to MLflow run ``run_id``.
+
+    Args:
+        run_config: keyword arguments of ``ray.train.RunConfig`` (see :func:`run_settings`).
+    """
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={
+            "cfg": {**to_dict(cfg), "train": {**to_dict(cfg.train), "output_dir": str(out)}},
+            "tracking_uri": tracking_uri(cfg.tracking) if run_id else None,
+            "run_id": run_id,
+            "has_eval": "eval" in datasets,
+        },
+        torch_config=TorchConfig(backend=dist_backend),
+        scaling_config=ScalingConfig(**scaling),
+        run_config=RunConfig(**run_config, worker_runtime_env={"env_vars": env} if env else None),
+        datasets=datasets,
+        # Ray splits every dataset equally across workers, dropping rows to do so: a small eval set could leave
+        # each worker none. Each worker reads the whole eval set instead (the token-weighted all-reduce is unchanged).
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+    )
+
+
+def run_settings(cfg: JobConfig, out: Path) -> dict[str, Any]:
+    """Ray Train's run settings of a job writing to ``out``: checkpoints under ``out/ray``, restarts on failure."""
+    from ray.train import CheckpointConfig, FailureConfig
+
+    return {
+        "name": "ray",
+        "storage_path": str(out),
+        "failure_config": FailureConfig(max_failures=cfg.train.max_failures),
+        "checkpoint_config": CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+    }
+
+
+def check_outcome(result, cfg: JobConfig) -> dict[str, Any]:
+    """Rank 0's outcome of a finished ``trainer.fit()``.
+
+    Raises:
+        TrainingError: the run diverged (NaN guard) or left no checkpoint, naming the likely causes.
+    """
+    outcome = result.return_value or {}
+    if outcome.get("status") != "done" or result.checkpoint is None:
+        raise TrainingError(
+            f"training diverged: non-finite loss or gradients for train.nan_tolerance={cfg.train.nan_tolerance} steps "
+            "in a row, again after rolling back to the last good checkpoint with half the learning rate. Likely causes: "
+            f"a learning rate too high (train.lr={cfg.train.lr}), Adam's epsilon too small under fp16 "
+            f"(train.adam_eps={cfg.train.adam_eps}), or a LoRA rank/alpha that scales updates too far "
+            f"(lora.rank={cfg.lora.rank}, lora.alpha={cfg.lora.alpha})."
+        )
+    return outcome
+
+
+def save_outputs(checkpoint: Path, cfg: JobConfig, out: Path) -> list[dict[str, float]]:
+    """Copy a checkpoint folder's adapter to ``out/adapter``; write ``config.yaml``, ``history.json``, ``loss.png``.
+
+    Returns:
+        The metric history, one dict per logged step.
+    """
+    shutil.rmtree(out / "adapter", ignore_errors=True)
+    shutil.copytree(checkpoint / "adapter", out / "adapter")
+    history = json.loads((checkpoint / "history.json").read_text())
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))
+    (out / "history.json").write_text(json.dumps(history, indent=1))
+    plot_history(history, out / "loss.png")
+    return history
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value and prefix == "":
-            flat.update(_flatten(value, f"{key}."))
+            flat.update(flatten(value, f"{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

@@ -210,11 +210,16 @@ def outcome(status: str, state: TrainState, resumed_from: int) -> dict:
 
 
 def record_worker(output_dir: Path, rank: int, device: torch.device) -> None:
-    """``<output_dir>/workers/rank<N>.json``: host, Ray node, pid and device of each worker, for operators."""
+    """``<output_dir>/workers/rank<N>.json``: host, Ray node, pid, device and placement group of each worker.
+
+    For operators, and for a sweep, which removes the placement group of a trial that Tune ended.
+    """
     folder = output_dir / "workers"
     folder.mkdir(parents=True, exist_ok=True)
     node = ray.get_runtime_context().get_node_id()
-    info = {"rank": rank, "host": socket.gethostname(), "node": node, "pid": os.getpid(), "device": str(device)}
+    group = ray.util.get_current_placement_group()
+    info = {"rank": rank, "host": socket.gethostname(), "node": node, "pid": os.getpid(), "device": str(device),
+            "placement_group": group.id.hex() if group else None}  # fmt: skip
     (folder / f"rank{rank}.json").write_text(json.dumps(info))
 
 

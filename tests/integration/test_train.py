@@ -143,11 +143,19 @@ def test_dataset_too_small_for_one_batch_per_worker_is_refused_before_training(t
     assert not (tmp_path / "run" / "ray").exists()
 
 
-def test_workers_that_leave_no_cpu_for_ray_data_are_refused(tmp_path):
+def test_workers_holding_every_cpu_still_read_their_shards(tmp_path):
+    import ray
+
+    cpus = ray.cluster_resources()["CPU"]
+    result = fit(job(tmp_path, f"train.cpus_per_worker={cpus / 2}", "train.max_steps=2"), log=lambda s: None)
+    assert result["steps"] == 2 and result["eval_loss"] is not None
+
+
+def test_streaming_workers_that_leave_no_cpu_for_the_pipeline_are_refused(tmp_path):
     from raylora.data.pipeline import DataError
 
     with pytest.raises(DataError, match="leaving less than 1 for Ray Data"):
-        fit(job(tmp_path, "train.cpus_per_worker=1"), log=lambda s: None)
+        fit(job(tmp_path, "data.streaming=true", "train.cpus_per_worker=1"), log=lambda s: None)
 
 
 def test_streaming_trains_from_the_raw_files_and_writes_no_shards(tmp_path):

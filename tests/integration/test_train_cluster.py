@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,40 +39,78 @@ def stop_cluster(temp_dir: str) -> None:
         p.kill()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def head():
-    """A head node from `ray start` on 127.0.0.1, with token auth as `ray start` sets it up."""
+    """A head node from `ray start` on 127.0.0.1, with token auth as `ray start` sets it up (one per module)."""
     temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
     dashboard = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2", f"--temp-dir={temp_dir}",
+         # every port of its own: another cluster on this machine may hold Ray's defaults (the job agent's 52365)
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+         f"--ray-client-server-port={free_port()}",
          "--disable-usage-stats"],
         env=env, check=True, capture_output=True, timeout=120,
     )  # fmt: skip
     try:
-        yield f"http://127.0.0.1:{dashboard}", env
+        yield f"http://127.0.0.1:{dashboard}", env, temp_dir
     finally:
         stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_ray_job_submit_trains_and_tracks(head, tmp_path, root):
-    address, env = head
-    proc = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(root), "--",
-         sys.executable, "jobs/train.py", "configs/tiny_lora_cpu.yaml", f"train.output_dir={tmp_path}/run",
-         f"data.output_dir={tmp_path}/data", "train.max_steps=4", "tracking.enabled=true",
-         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=jobs"],
-        env=env, capture_output=True, text=True, timeout=600,
+def submit(address: str, env: dict, root: Path, *args: str, runtime_env: dict | None = None):
+    extra = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
+    for _ in range(15):  # the head's job agent starts a little after `ray start` returns
+        proc = subprocess.run(
+            [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(root), *extra, "--",
+             sys.executable, *args],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        if "No available agent to submit job" not in proc.stderr:
+            return proc
+        time.sleep(2)
+    return proc
+
+
+def test_ray_job_submit_of_a_sweep_succeeds(head, tmp_path, root):
+    address, env, _ = head
+    proc = submit(
+        address, env, root, "jobs/tune.py", "configs/tiny_sweep_cpu.yaml", f"train.output_dir={tmp_path}/sweep",
+        f"data.output_dir={tmp_path}/data", "train.max_steps=2", "tune.num_samples=2", "tune.scheduler=none",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "succeeded" in (proc.stdout + proc.stderr).lower()
-    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert len((tmp_path / "sweep" / "results.csv").read_text().splitlines()) == 3
+    assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_ray_job_outputs_and_mlflow_artifacts_outlive_rays_temporary_folder(head, tmp_path, root):
+    """Relative outputs under `ray job submit` land in the folder the job names, not Ray's copy of the working folder."""
+    address, env, temp_dir = head
+    args = ["jobs/train.py", "configs/tiny_lora_cpu.yaml", "train.max_steps=4", "tracking.enabled=true",
+            "tracking.experiment=jobs"]  # fmt: skip
+    refused = submit(address, env, root, *args)
+    assert refused.returncode != 0
+    assert "train.output_dir: 'outputs/tiny_lora_cpu' is relative" in refused.stdout + refused.stderr
+    proc = submit(address, env, root, *args, runtime_env={"env_vars": {"RAYLORA_BASE_DIR": str(tmp_path)}})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stop_cluster(temp_dir)
+    shutil.rmtree(temp_dir)
+    assert (tmp_path / "outputs" / "tiny_lora_cpu" / "adapter" / "adapter_model.safetensors").is_file()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("jobs").experiment_id])
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
+    artifacts = tmp_path / "mlartifacts" / run.info.run_id / "artifacts"
+    assert (artifacts / "adapter" / "adapter_model.safetensors").is_file() and (artifacts / "loss.png").is_file()
+    assert {"adapter", "config.yaml", "loss.png", "history.json"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id)
+    }
 
 
 def test_two_nodes_one_worker_each(tmp_path):

@@ -1,8 +1,6 @@
 import subprocess
 import sys
 
-import pytest
-
 from raylora.cli import COMMANDS, main
 
 
@@ -14,11 +12,10 @@ def test_help_lists_every_command():
         assert name in out and COMMANDS[name][:30] in out
 
 
-@pytest.mark.parametrize("command", ["tune"])
-def test_commands_not_landed_say_so_and_fail(command, capsys):
-    assert main([command, "configs/tiny_lora_cpu.yaml"]) == 2
-    err = capsys.readouterr().err
-    assert f"raylora {command}: not available yet" in err and "issue" in err
+def test_tune_without_a_search_space_exits_2_before_anything_starts(tmp_path, capsys):
+    assert main(["tune", "configs/tiny_lora_cpu.yaml", f"train.output_dir={tmp_path}/sweep"]) == 2
+    assert "tune.space: is empty" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_bad_config_lists_all_problems_and_exits_2(tmp_path, capsys):

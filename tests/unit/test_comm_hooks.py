@@ -1,7 +1,6 @@
 """Communication hooks on 2 gloo processes: gradients against plain all-reduce, bytes, error feedback, resume."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -14,12 +13,6 @@ from raylora.config import TrainArgs
 from raylora.models import tiny_model
 
 WORLD = 2
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -55,10 +48,11 @@ def _train(ddp, model, optimizer, steps: int, first: int = 0) -> list[float]:
     return losses
 
 
-def _worker(rank: int, port: int, job: str, cases: list[dict], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, job: str, cases: list[dict], out: str) -> None:
+    # A file store, not a port picked in advance that another process on the machine could take meanwhile.
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD)
     try:
         torch.save([JOBS[job](rank, TrainArgs(**options)) for options in cases], f"{out}/rank{rank}.pt")
     finally:
@@ -113,7 +107,7 @@ def _resume_job(rank: int, train: TrainArgs) -> dict:
 
 
 def _roundtrip(obj, rank: int) -> str:
-    path = f"/tmp/raylora-comm-resume-{os.getppid()}-{rank}.pt"
+    path = f"/tmp/raylora-comm-resume-{os.getppid()}-{rank}.pt"  # a torch.save / torch.load round trip
     torch.save(obj, path)
     return path
 
@@ -123,7 +117,7 @@ JOBS = {"grads": _grads_job, "train": _train_job, "resume": _resume_job}
 
 def run(job: str, tmp_path, cases: list[dict]) -> list[list[dict]]:
     """``job`` for every case of options, in one pair of gloo processes; per case, the ranks' results."""
-    mp.spawn(_worker, args=(_port(), job, cases, str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_worker, args=(job, cases, str(tmp_path)), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     return [list(per_rank) for per_rank in zip(*ranks, strict=True)]
 

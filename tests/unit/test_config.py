@@ -100,18 +100,18 @@ def test_bad_overrides_join_the_file_problems(tmp_path):
 
 
 def test_list_items_and_nested_sections_are_checked(tmp_path):
-    text = "data:\n  sources:\n    - {path: a.json, fromat: alpaca}\n    - {format: alpaca}\ntune: {ranks: [8, -1]}\n"
+    text = "data:\n  sources:\n    - {path: a.json, fromat: alpaca}\n    - {format: alpaca}\nlora: {target_modules: [q_proj, 3]}\n"
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, text))
     problems = dict(err.value.problems)
     assert "did you mean 'format'" in problems["data.sources[0].fromat"]
     assert "is required" in problems["data.sources[1].path"]
-    assert "-1" in problems["tune.ranks"]
+    assert "expected str" in problems["lora.target_modules[1]"]
 
 
 def test_cross_field_rule():
-    with pytest.raises(ConfigError, match="tune.lr_min"):
-        load_config(None, ["tune.lr_min=0.1", "tune.lr_max=0.01"])
+    with pytest.raises(ConfigError, match="data.eval_count"):
+        load_config(None, ["data.eval_fraction=0.1", "data.eval_count=3"])
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

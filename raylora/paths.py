@@ -1,0 +1,102 @@
+"""Where a job's relative output paths go, so that nothing it writes lands in a folder Ray deletes.
+
+``ray job submit --working-dir .`` runs the entry script inside Ray's temporary copy of the working
+folder (``.../runtime_resources/working_dir_files/_ray_pkg_<hash>``), which Ray garbage-collects.
+A relative output path there would silently put the adapter, the shards or the MLflow store into
+that copy. :func:`anchor_outputs` makes every output path a command writes absolute against a
+durable folder: ``$RAYLORA_BASE_DIR`` when set (the submitting folder, passed in the job's
+environment), else the working folder, except inside Ray's copy, where a relative output path is
+refused with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from raylora.config import ConfigError, JobConfig
+
+BASE_ENV = "RAYLORA_BASE_DIR"
+RAY_COPY_MARK = "/runtime_resources/working_dir_files/"
+
+# The config keys each command writes to (and, for tracking.uri, the default SQLite store it creates).
+OUTPUTS = {
+    "prepare": ("data.output_dir",),
+    "train": ("data.output_dir", "train.output_dir", "tracking.uri"),
+    "tune": ("data.output_dir", "train.output_dir", "tracking.uri"),
+    "quickstart": ("train.output_dir",),
+    "export": ("export.output_dir",),
+    "serve": ("serve.adapter_root", "tracking.uri"),
+}
+
+
+def in_ray_copy(folder: Path) -> bool:
+    """Whether ``folder`` lies in Ray's temporary copy of a job's working folder."""
+    return RAY_COPY_MARK in f"{folder.resolve()}/"
+
+
+def anchor_outputs(cfg: JobConfig, command: str, source: str = "config") -> JobConfig:
+    """``cfg`` with the output paths of ``command`` made absolute against the durable base folder.
+
+    Args:
+        cfg: the validated job.
+        command: a ``raylora`` command; commands not in :data:`OUTPUTS` write nothing.
+        source: the config file's name, for the error.
+    Returns:
+        A new config; ``tracking.uri`` becomes ``sqlite:///<base>/mlflow.db`` when tracking is on and unset,
+        and a relative SQLite path is made absolute.
+    Raises:
+        ConfigError: inside Ray's temporary copy with ``$RAYLORA_BASE_DIR`` unset, naming every relative
+            output path and both fixes.
+    """
+    keys = OUTPUTS.get(command, ())
+    chosen = os.environ.get(BASE_ENV)
+    cwd = Path.cwd()
+    if chosen and not Path(chosen).is_absolute():
+        raise ConfigError([(f"${BASE_ENV}", f"got {chosen!r}; it must be an absolute folder")], source)
+    base = Path(chosen) if chosen else cwd
+    refuse = not chosen and in_ray_copy(cwd)
+    problems: list[tuple[str, str]] = []
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(sections[section], name)
+        if key == "tracking.uri":
+            if not cfg.tracking.enabled:
+                continue
+            relative = _relative_sqlite(value)
+            if relative is None:
+                continue
+            fixed, absolute = f"sqlite:///{base / relative}", f"sqlite:////abs/folder/{relative}"
+        else:
+            if Path(value).is_absolute():
+                continue
+            fixed, absolute = str(base / value), f"/abs/folder/{value}"
+        if refuse:
+            problems.append((key, _refusal(value, cwd, key, absolute)))
+        else:
+            sections[section] = dataclasses.replace(sections[section], **{name: fixed})
+    if problems:
+        raise ConfigError(problems, source)
+    return dataclasses.replace(cfg, **sections)
+
+
+def _relative_sqlite(uri: str | None) -> str | None:
+    """The relative file of a SQLite URI (``mlflow.db`` for ``None``, MLflow's default); ``None`` if absolute or not SQLite."""
+    if uri is None:
+        return "mlflow.db"
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri.removeprefix("sqlite:///")
+    return None if path.startswith("/") or path == ":memory:" else path
+
+
+def _refusal(value: str | None, cwd: Path, key: str, absolute: str) -> str:
+    shown = "unset (mlflow.db in the working folder)" if value is None else repr(value)
+    return (
+        f"{shown} is relative, and this job runs in Ray's temporary copy of the working folder ({cwd}), which Ray "
+        f"deletes: what it wrote there would be lost. Give an absolute path ({key}={absolute}), or send the "
+        f"folder relative paths should mean: ray job submit --runtime-env-json "
+        f'\'{{"env_vars": {{"{BASE_ENV}": "\'$PWD\'"}}}}\' ...'
+    )

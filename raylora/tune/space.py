@@ -1,0 +1,182 @@
+"""The sweep's search space: written in YAML over dotted config keys, checked whole before any trial.
+
+``tune.space`` maps a ``lora.*`` or ``train.*`` key to one distribution::
+
+    lora.rank: {choice: [4, 8, 16]}          # any values the key accepts
+    train.lr: {loguniform: [1.0e-5, 1.0e-3]} # low > 0
+    lora.alpha: {grid: [16, 32]}             # every value, in every combination
+    lora.dropout: {uniform: [0.0, 0.1]}
+    train.warmup_steps: {randint: [0, 10]}   # high excluded
+
+:func:`check` lists every problem of the space and of the sweep's settings (with the exact key and
+the fix) as one :class:`~raylora.config.ConfigError`; :func:`to_tune` turns a checked space into Ray
+Tune's domains; :func:`apply` sets one trial's values into the job.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import importlib.util
+import typing
+from typing import Any
+
+from raylora.config import ConfigError, JobConfig, LoraArgs, TrainArgs, from_dict, to_dict
+
+DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
+RANGES = ("uniform", "loguniform", "randint")
+SWEPT_SECTIONS = {"lora": LoraArgs, "train": TrainArgs}
+# The sweep decides these per trial or for the whole sweep; a trial must not change them.
+FIXED = {
+    "train.output_dir": "each trial writes to train.output_dir/trials/<trial id>",
+    "train.eval_every": "the ASHA rungs and the reported metric depend on it",
+    "train.max_steps": "ASHA's budget is train.max_steps",
+}
+
+
+def check(cfg: JobConfig) -> None:
+    """Raise one :class:`ConfigError` naming every problem of the sweep, before anything starts.
+
+    Raises:
+        ConfigError: an empty or malformed space, an unknown distribution or key, low >= high, a
+            non-number where one is needed, a value the key does not accept, grid search over a
+            continuous distribution, ``search: optuna`` without optuna, a metric training does not
+            report for this job, ASHA without evaluations.
+    """
+    problems: list[tuple[str, str]] = []
+    tune = cfg.tune
+    if not tune.space:
+        problems.append(
+            ("tune.space", "is empty; give at least one key to search, e.g. lora.rank: {choice: [4, 8, 16]}")
+        )
+    for key, spec in tune.space.items():
+        problems += _check_entry(cfg, key, spec)
+    kinds = {next(iter(spec)) for spec in tune.space.values() if isinstance(spec, dict) and len(spec) == 1}
+    if tune.search == "grid" and kinds & set(RANGES):
+        for key, spec in tune.space.items():
+            if isinstance(spec, dict) and next(iter(spec), None) in RANGES:
+                problems.append(
+                    (
+                        f"tune.space.{key}",
+                        f"search: grid cannot search a continuous distribution ({next(iter(spec))}); list the "
+                        "values ({grid: [...]}) or use search: random or optuna",
+                    )
+                )
+    if tune.search == "optuna":
+        if "grid" in kinds:
+            problems.append(("tune.search", "optuna cannot search grid entries; use choice, or search: random"))
+        if importlib.util.find_spec("optuna") is None:
+            problems.append(("tune.search", "optuna is not installed; pip install optuna, or use search: random"))
+    evaluates = cfg.data.eval_fraction > 0 or cfg.data.eval_count is not None
+    if tune.metric.startswith("eval_") and not evaluates:
+        problems.append(
+            (
+                "tune.metric",
+                f"{tune.metric} needs an eval split, and this job holds none out; set data.eval_fraction "
+                "(e.g. 0.1) or data.eval_count, or use tune.metric=loss",
+            )
+        )
+    if tune.scheduler == "asha" and tune.metric.startswith("eval_") and cfg.train.eval_every == 0:
+        problems.append(
+            (
+                "train.eval_every",
+                "is 0 (evaluate only at the end), so ASHA could never stop a trial early; set it to a few steps "
+                f"(e.g. {max(1, cfg.train.max_steps // 8)}) or use tune.scheduler=none",
+            )
+        )
+    if tune.register_as is not None:
+        from raylora.registry import AdapterError, check_name
+
+        try:
+            check_name(tune.register_as)
+        except AdapterError as e:
+            problems.append(("tune.register_as", str(e)))
+    if problems:
+        raise ConfigError(problems, "the sweep")
+
+
+def _check_entry(cfg: JobConfig, key: str, spec: Any) -> list[tuple[str, str]]:
+    where = f"tune.space.{key}"
+    section, _, name = key.partition(".")
+    if section not in SWEPT_SECTIONS:
+        return [
+            (
+                where,
+                f"only lora.* and train.* keys can be searched (trials share the data prepared once and the "
+                f"model); got section {section!r}",
+            )
+        ]
+    fields = {f.name: f for f in dataclasses.fields(SWEPT_SECTIONS[section])}
+    if name not in fields:
+        near = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.5)
+        hint = f"did you mean '{section}.{near[0]}'? " if near else ""
+        return [(where, f"{key} is not a config key; {hint}valid keys: {', '.join(fields)}")]
+    if key in FIXED:
+        return [(where, f"cannot be searched: {FIXED[key]}")]
+    if not isinstance(spec, dict) or len(spec) != 1:
+        return [
+            (where, f"got {spec!r}; expected one distribution, e.g. {{choice: [4, 8]}} or {{loguniform: [1e-5, 1e-3]}}")
+        ]
+    kind, values = next(iter(spec.items()))
+    if kind not in DISTRIBUTIONS:
+        near = difflib.get_close_matches(str(kind), DISTRIBUTIONS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        return [(where, f"unknown distribution {kind!r}; {hint}allowed: {', '.join(DISTRIBUTIONS)}")]
+    if not isinstance(values, list) or not values:
+        return [(where, f"{kind} takes a non-empty list, got {values!r}")]
+    if kind in RANGES:
+        field_type = typing.get_type_hints(SWEPT_SECTIONS[section])[name]
+        number = int if kind == "randint" else (int, float)
+        if field_type is int and kind != "randint":
+            return [(where, f"{kind} samples floats, and {key} is an integer; use randint or choice")]
+        if field_type not in (int, float) or (kind == "randint" and field_type is not int):
+            wanted = "an integer" if kind == "randint" else "a number"
+            return [
+                (
+                    where,
+                    f"{kind} needs {wanted} key, and {key} is {getattr(field_type, '__name__', field_type)}; use choice",
+                )
+            ]
+        if len(values) != 2 or not all(isinstance(v, number) and not isinstance(v, bool) for v in values):
+            return [
+                (where, f"{kind} takes [low, high] ({'integers' if kind == 'randint' else 'numbers'}), got {values!r}")
+            ]
+        low, high = values
+        if low >= high:
+            return [(where, f"low {low} must be below high {high}")]
+        if kind == "loguniform" and low <= 0:
+            return [(where, f"loguniform needs low > 0, got {low}")]
+        values = [low, high - 1] if kind == "randint" else [low, high]
+    problems = []
+    for value in values:
+        try:
+            from_dict(apply(to_dict(cfg), {key: value}))
+        except ConfigError as e:
+            problems += [(where, f"value {value!r}: {msg}") for _, msg in e.problems]
+    return problems
+
+
+def to_tune(space: dict[str, dict[str, Any]], search: str) -> dict[str, Any]:
+    """Ray Tune's ``param_space`` for a checked space (keys stay dotted); ``choice`` is a grid under grid search."""
+    from ray import tune
+
+    domains = {}
+    for key, spec in space.items():
+        kind, values = next(iter(spec.items()))
+        if kind == "grid" or (kind == "choice" and search == "grid"):
+            domains[key] = tune.grid_search(values)
+        elif kind == "choice":
+            domains[key] = tune.choice(values)
+        else:
+            domains[key] = getattr(tune, kind)(*values)
+    return domains
+
+
+def apply(job: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``job`` (a :func:`~raylora.config.to_dict` dict) with dotted ``values`` set."""
+    out = copy.deepcopy(job)
+    for key, value in values.items():
+        section, name = key.split(".", 1)
+        out[section][name] = value
+    return out

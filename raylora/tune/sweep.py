@@ -1,0 +1,430 @@
+"""``sweep(cfg)``: a Ray Tune search over LoRA and training settings, top to bottom.
+
+check the sweep → prepare the data once → count the trials the cluster fits → open the MLflow parent
+run → Tune runs the trials (each a Ray Train run with its own MLflow child run; ASHA stops laggards)
+→ mark each child run → copy, log and register the best adapter; write the results table and plot.
+
+Layout of ``train.output_dir``::
+
+    tune/                 Ray Tune's experiment state (``--resume`` restores it)
+    trials/<trial id>/    one training run each: adapter/, history.json, loss.png, Ray Train checkpoints
+    best/adapter/         the best completed trial's adapter (peft format)
+    results.csv           one row per trial: its values, status, steps and metric
+    sweep.png             the metric over lora.rank x train.lr (or the first two searched keys)
+    sweep.json            the MLflow parent run id, so a resumed sweep logs to the same parent
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+from raylora.backends import worker_plan
+from raylora.cluster import ensure_ray
+from raylora.config import ConfigError, JobConfig, from_dict, to_dict
+from raylora.tracking import finish_run, start_run, tracking_uri
+from raylora.train.fit import (
+    TrainingError,
+    build_trainer,
+    check_outcome,
+    flatten,
+    prepare_checked,
+    run_settings,
+    save_outputs,
+    shard_datasets,
+)
+from raylora.tune import space
+
+STATUS_TAG = "raylora.trial_status"
+TRIAL_DRIVER_MEMORY = 256 * 2**20
+
+
+def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
+    """Run (or, with ``resume``, continue) the sweep that ``cfg.tune`` describes.
+
+    Returns:
+        ``{"best": {"config", "metric", "adapter", "trial"}, "trials": [row, ...], "parent_run_id",
+        "registered": (name, version) or None}``; a row holds the trial id, its searched values,
+        ``status`` (completed, stopped early, failed), ``steps`` and the metric.
+    Raises:
+        ConfigError: a bad sweep, or a trial that does not fit the cluster, before any trial starts.
+        TrainingError: no trial completed; each trial's error is in its MLflow child run.
+    """
+    from ray import tune
+
+    space.check(cfg)
+    out = Path(cfg.train.output_dir).resolve()
+    state = out / "tune"
+    if resume and not state.exists():
+        raise ConfigError([("--resume", f"no sweep to resume in {out}; run it without --resume first")], "the sweep")
+    if not resume and state.exists():
+        raise ConfigError(
+            [
+                (
+                    "train.output_dir",
+                    f"a sweep already ran in {out}; continue it with --resume, or choose another folder",
+                )
+            ],
+            "the sweep",
+        )
+    splits = prepare_checked(cfg, log)
+    ensure_ray()
+    at_once = trials_at_once(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    parent = _parent_run(cfg, out, resume)
+    trainable = tune.with_resources(
+        tune.with_parameters(
+            run_trial,
+            job=to_dict(cfg),
+            datasets=shard_datasets(splits),
+            parent=parent,
+            uri=tracking_uri(cfg.tracking) if parent else None,
+        ),
+        # The trial's own process only drives its Ray Train run, so it asks for no CPU: with even 0.01 CPU, two
+        # one-CPU trials would not fit two cores. Tune refuses an empty request, hence a memory request instead.
+        {"cpu": 0, "memory": TRIAL_DRIVER_MEMORY},
+    )
+    log(
+        f"sweep: {cfg.tune.num_samples} trial(s), {at_once} at a time, {cfg.tune.search} search, scheduler {cfg.tune.scheduler}"
+    )
+    if resume:
+        tuner = tune.Tuner.restore(str(state), trainable=trainable, resume_unfinished=True, resume_errored=False)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=space.to_tune(cfg.tune.space, cfg.tune.search),
+            tune_config=tune.TuneConfig(
+                metric=cfg.tune.metric,
+                mode=cfg.tune.mode,
+                num_samples=cfg.tune.num_samples,
+                search_alg=_searcher(cfg, at_once),
+                scheduler=_scheduler(cfg),
+            ),
+            run_config=tune.RunConfig(
+                name="tune", storage_path=str(out), verbose=1, callbacks=[_release_stopped_callback(out)]
+            ),
+        )
+    grid = tuner.fit()
+    rows = [_finish_trial(cfg, result) for result in grid]
+    completed = [r for r in rows if r["status"] == "completed"]
+    _write_table(rows, out / "results.csv")
+    _plot(cfg, rows, out / "sweep.png")
+    if not completed:
+        finish_run(cfg.tracking, parent, [out / "results.csv", out / "sweep.png"], "FAILED")
+        raise TrainingError(
+            f"no trial of the sweep completed ({', '.join(r['trial'] + ': ' + r['status'] for r in rows)}); "
+            f"see {out / 'results.csv'}, each trial's folder under {out / 'trials'} and its MLflow child run"
+        )
+    best = (min if cfg.tune.mode == "min" else max)(completed, key=lambda r: r["metric"])
+    shutil.rmtree(out / "best", ignore_errors=True)
+    shutil.copytree(Path(best["dir"]) / "adapter", out / "best" / "adapter")
+    (out / "best" / "config.yaml").write_text((Path(best["dir"]) / "config.yaml").read_text())
+    registered = _log_best(cfg, parent, best, out)
+    log(
+        f"best trial {best['trial']}: {cfg.tune.metric} {best['metric']:.4f} with "
+        + ", ".join(f"{k}={best[k]}" for k in cfg.tune.space)
+        + f"; adapter {out / 'best' / 'adapter'}"
+        + (f"; registered as models:/{registered[0]}/{registered[1]}" if registered else "")
+    )
+    return {
+        "best": {"trial": best["trial"], "metric": best["metric"], "adapter": str(out / "best" / "adapter"),
+                 "config": {k: best[k] for k in cfg.tune.space}},
+        "trials": rows,
+        "parent_run_id": parent,
+        "registered": registered,
+    }  # fmt: skip
+
+
+def trials_at_once(cfg: JobConfig) -> int:
+    """How many trials run together: ``tune.max_concurrent``, capped by how many trials' workers the cluster holds.
+
+    Raises:
+        ConfigError: one trial asks for more CPUs / GPUs / NPUs than the whole cluster has.
+    """
+    import ray
+
+    _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
+    per_worker = scaling.get("resources_per_worker") or {"CPU": 1.0, "GPU": 1.0}
+    cluster = ray.cluster_resources()
+    fits = min(int(cluster.get(k, 0) // (v * cfg.train.num_workers)) for k, v in per_worker.items())
+    if fits == 0:
+        asked = ", ".join(f"{v * cfg.train.num_workers:g} {k}" for k, v in per_worker.items())
+        has = ", ".join(f"{cluster.get(k, 0):g} {k}" for k in per_worker)
+        raise ConfigError(
+            [("train.num_workers", f"one trial asks for {asked} (train.num_workers={cfg.train.num_workers} x "
+              f"{per_worker}), and the cluster has {has}; lower train.num_workers or train.cpus_per_worker, "
+              "or add nodes")], "the sweep",
+        )  # fmt: skip
+    return min(fits, cfg.tune.max_concurrent or fits)
+
+
+def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | None, uri: str | None) -> None:
+    """One trial (a Ray Tune function trainable): a Ray Train run of the job with the trial's ``values``.
+
+    It logs to an MLflow child run of ``parent`` and passes every report holding the sweep's metric to
+    Tune. Tune ends the trial's process as soon as ASHA stops it or its last step is reported, so
+    the driver, not this function, copies out the adapter and closes the child run
+    (:func:`_finish_trial`). A restored trial resumes its Train run from its own checkpoints.
+    Raises:
+        TrainingError: the run failed or diverged (an errored trial in Tune).
+    """
+    from ray import tune
+
+    trial_id = tune.get_context().get_trial_id()
+    out = Path(job["train"]["output_dir"]) / "trials" / trial_id
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _trial_config(job, values, out)
+    run_id = _child_run(cfg, out, parent, trial_id, values)
+    settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.metric)]}
+    try:
+        check_outcome(build_trainer(cfg, out, datasets, run_id, settings).fit(), cfg)
+    except Exception as e:
+        raise TrainingError(f"trial {trial_id} ({values}): {e}") from None
+
+
+def _trial_config(job: dict, values: dict[str, Any], out: Path) -> JobConfig:
+    return from_dict(space.apply(job, {**values, "train.output_dir": str(out)}))
+
+
+def _final_checkpoint(out: Path, max_steps: int) -> Path | None:
+    """The trial's checkpoint of its last step, if it got there (Ray Train writes it before the report reaches Tune)."""
+    for folder in sorted((out / "ray").glob("checkpoint_*")):
+        meta = folder / "meta.json"
+        if meta.exists() and json.loads(meta.read_text())["step"] == max_steps:
+            return folder
+    return None
+
+
+def _release_stopped_callback(out: Path):
+    """A Tune callback releasing each ended trial's worker placement group (see :func:`_release_placement_groups`)."""
+    from ray.tune import Callback
+
+    class ReleaseStopped(Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            _release_placement_groups(out / "trials" / trial.trial_id)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self.on_trial_complete(iteration, trials, trial)
+
+    return ReleaseStopped()
+
+
+def _metric_reports(metric: str):
+    """A Ray Train callback passing to Tune the reports that hold ``metric`` (evaluation steps).
+
+    Tune refuses a result without the sweep's metric, and training reports eval loss only every
+    ``train.eval_every`` steps.
+    """
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class MetricReports(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metric in metrics[0]:
+                super().after_report(run_context, metrics, None)
+
+    return MetricReports()
+
+
+def _child_run(cfg: JobConfig, out: Path, parent: str | None, trial_id: str, values: dict[str, Any]) -> str | None:
+    """The trial's MLflow child run: created once, and found again in ``out/mlflow_run.json`` when the trial resumes."""
+    if parent is None:
+        return None
+    saved = out / "mlflow_run.json"
+    if saved.exists():
+        return json.loads(saved.read_text())["run_id"]
+    label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in values.items())
+    run_id = start_run(
+        cfg.tracking,
+        f"{trial_id} {label}",
+        flatten(to_dict(cfg)),
+        tags={"mlflow.parentRunId": parent, "raylora.trial": trial_id},
+    )
+    saved.write_text(json.dumps({"run_id": run_id}))
+    return run_id
+
+
+def _parent_run(cfg: JobConfig, out: Path, resume: bool) -> str | None:
+    """The sweep's MLflow parent run (reopened on resume): the base job's params and the search space."""
+    if not cfg.tracking.enabled:
+        return None
+    saved = out / "sweep.json"
+    if resume and saved.exists():
+        import mlflow
+
+        run_id = json.loads(saved.read_text())["parent_run_id"]
+        mlflow.MlflowClient(tracking_uri(cfg.tracking)).update_run(run_id, status="RUNNING")
+        return run_id
+    params = {**flatten(to_dict(cfg)), **{f"space.{k}": v for k, v in cfg.tune.space.items()}}
+    run_id = start_run(cfg.tracking, f"{out.name} sweep", params, tags={"raylora.sweep": "parent"})
+    saved.write_text(json.dumps({"parent_run_id": run_id}))
+    return run_id
+
+
+def _searcher(cfg: JobConfig, at_once: int):
+    if cfg.tune.search == "optuna":
+        from ray.tune.search import ConcurrencyLimiter
+        from ray.tune.search.optuna import OptunaSearch
+
+        return ConcurrencyLimiter(OptunaSearch(seed=cfg.train.seed), max_concurrent=at_once)
+    from ray.tune.search import BasicVariantGenerator
+
+    return BasicVariantGenerator(random_state=cfg.train.seed, max_concurrent=at_once)
+
+
+def _release_placement_groups(trial_dir: Path) -> None:
+    """Remove the placement group of a trial's Ray Train workers, once Tune has ended the trial.
+
+    Tune ends a trial that ASHA stops by killing its process, and with it the Ray Train controller.
+    The controller's placement group belongs to the sweep's driver, so it would hold its CPUs until the
+    sweep ends (Ray Train's own cleaner needs the dashboard's state API, which a local raylora cluster does
+    not start), and the next trials would wait for CPUs forever. Each worker records its group's id.
+    """
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    ids = {json.loads(p.read_text()).get("placement_group") for p in (trial_dir / "workers").glob("rank*.json")}
+    table = ray.util.placement_group_table()
+    for pg_id in ids - {None}:
+        if table.get(pg_id, {}).get("state") not in (None, "REMOVED"):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def _scheduler(cfg: JobConfig):
+    if cfg.tune.scheduler == "none":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(
+        time_attr="step",
+        max_t=cfg.train.max_steps,
+        grace_period=cfg.tune.grace_steps or cfg.train.eval_every,
+        reduction_factor=cfg.tune.reduction_factor,
+    )
+
+
+def _finish_trial(cfg: JobConfig, result) -> dict[str, Any]:
+    """Classify one ended trial, copy out a completed trial's adapter, close its MLflow child run; returns its row.
+
+    A trial is ``completed`` when its Train run wrote the checkpoint of ``train.max_steps`` with a finite
+    metric, ``failed`` when it raised (diverged, crashed) or its metric is not finite (never the best),
+    and ``stopped early`` when ASHA ended it. The child run ends FINISHED, FAILED or KILLED, tagged
+    ``raylora.trial_status``.
+    """
+    metrics = result.metrics or {}
+    values = {k: (result.config or {}).get(k) for k in cfg.tune.space}
+    trial = metrics.get("trial_id") or _trial_id(Path(result.path))
+    out = Path(cfg.train.output_dir).resolve() / "trials" / trial
+    value = metrics.get(cfg.tune.metric)
+    metric = float(value) if value is not None else math.nan
+    final = _final_checkpoint(out, cfg.train.max_steps)
+    if result.error is not None or (value is not None and not math.isfinite(metric)):
+        status = "failed"
+    elif final is not None:
+        status = "completed"
+        save_outputs(final, _trial_config(to_dict(cfg), values, out), out)
+    else:
+        status = "stopped early"
+    saved = out / "mlflow_run.json"
+    if cfg.tracking.enabled and saved.exists():
+        import mlflow
+
+        run_id = json.loads(saved.read_text())["run_id"]
+        mlflow.MlflowClient(tracking_uri(cfg.tracking)).set_tag(run_id, STATUS_TAG, status)
+        mlflow_status = {"completed": "FINISHED", "failed": "FAILED", "stopped early": "KILLED"}[status]
+        artifacts = [out / "config.yaml", out / "loss.png", out / "history.json"] if status == "completed" else []
+        finish_run(cfg.tracking, run_id, artifacts, mlflow_status)
+    steps = int(metrics.get("step", 0))
+    return {"trial": trial, **values, "status": status, "steps": steps, "metric": metric, "dir": str(out)}
+
+
+def _trial_id(path: Path) -> str:
+    """The trial id in the name of Tune's trial folder (``run_trial_<id>_<index>_<values>...``)."""
+    parts = path.name.split("_")
+    return f"{parts[2]}_{parts[3]}"
+
+
+def _log_best(cfg: JobConfig, parent: str | None, best: dict[str, Any], out: Path) -> tuple[str, int] | None:
+    """Log the best config, metric, adapter, table and plot to the parent run and register the adapter."""
+    if parent is None:
+        return None
+    import mlflow
+
+    from raylora.registry import register
+
+    uri = tracking_uri(cfg.tracking)
+    client = mlflow.MlflowClient(uri)
+    for key in cfg.tune.space:
+        client.log_param(parent, f"best.{key}", best[key])
+    client.log_param(parent, "best.trial", best["trial"])
+    client.log_metric(parent, f"best_{cfg.tune.metric}", best["metric"])
+    finish_run(cfg.tracking, parent, [out / "best" / "adapter", out / "results.csv", out / "sweep.png"], "FINISHED")
+    name = cfg.tune.register_as or out.name
+    return name, register(uri, name, f"runs:/{parent}/adapter")
+
+
+def _write_table(rows: list[dict[str, Any]], path: Path) -> None:
+    columns = [k for k in rows[0] if k != "dir"] if rows else ["trial"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _plot(cfg: JobConfig, rows: list[dict[str, Any]], path: Path) -> None:
+    """The metric of every trial over lora.rank x train.lr (else the first two searched keys), one marker per status."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ("train.lr", "lora.rank") if k in cfg.tune.space]
+    keys += [k for k in cfg.tune.space if k not in keys]
+    x_key, y_key = (keys + [None])[:2]
+    x_of, y_of = _axis(rows, x_key), _axis(rows, y_key)
+    fig, ax = plt.subplots(figsize=(7, 5), dpi=100)
+    finite = [r["metric"] for r in rows if math.isfinite(r["metric"])]
+    low, high = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    for status, marker in (("completed", "o"), ("stopped early", "s"), ("failed", "x")):
+        group = [r for r in rows if r["status"] == status]
+        if not group:
+            continue
+        xs = [x_of(r) for r in group]
+        ys = [y_of(r) for r in group]
+        colours = [r["metric"] if math.isfinite(r["metric"]) else high for r in group]
+        points = ax.scatter(xs, ys, c=colours, cmap="viridis_r" if cfg.tune.mode == "min" else "viridis",
+                            vmin=low, vmax=high, marker=marker, s=90, label=status)  # fmt: skip
+        for x, y, r in zip(xs, ys, group, strict=True):
+            ax.annotate(f"{r['metric']:.3g}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    if finite:
+        fig.colorbar(points, ax=ax, label=cfg.tune.metric)
+    if x_key == "train.lr":
+        ax.set_xscale("log")
+    if y_key == "lora.rank":
+        ax.set_yscale("log", base=2)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(y_key or "")
+    ax.set_title(f"{cfg.tune.metric} per trial ({cfg.tune.mode}imise)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _axis(rows: list[dict[str, Any]], key: str | None):
+    """Position of a row on a plot axis: the value of ``key`` if numeric, else its index among the sorted values."""
+    if key is None:
+        return lambda row: 0.0
+    values = [row[key] for row in rows]
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return lambda row: float(row[key])
+    order = sorted({str(v) for v in values})
+    return lambda row: float(order.index(str(row[key])))
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

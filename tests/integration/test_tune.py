@@ -1,0 +1,136 @@
+"""Ray Tune sweeps: four real Ray Train trials on a tiny Llama, ASHA, MLflow parent and children, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+from peft import PeftModel
+
+from raylora.config import load_config
+from raylora.models import tiny_model
+from raylora.tune.sweep import sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+# Two good learning rates first, then two that barely move the loss: with two trials at a time, ASHA
+# compares the slow pair against the first pair's rungs and stops them.
+GRID = "tune.space={train.lr: {grid: [0.03, 0.01, 1.0e-6, 1.0e-7]}, lora.rank: {choice: [4]}}"
+
+
+def overrides(tmp, *more):
+    return [
+        f"train.output_dir={tmp}/sweep", f"data.output_dir={tmp}/data", "tracking.enabled=true",
+        f"tracking.uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=sweeps", "tune.register_as=tiny-best", *more,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, ray_session):
+    tmp = tmp_path_factory.mktemp("tune")
+    cfg = load_config(
+        ROOT / "configs/tiny_sweep_cpu.yaml", overrides(tmp, GRID, "tune.search=grid", "tune.num_samples=1")
+    )
+    return tmp, sweep(cfg, log=lambda s: None)
+
+
+def test_asha_stops_a_slow_trial_and_the_best_adapter_is_copied_and_loads(swept):
+    tmp, result = swept
+    statuses = {r["train.lr"]: r["status"] for r in result["trials"]}
+    # ASHA may also stop the weaker of the two good rates at a rung; the slow pair never completes both.
+    assert len(statuses) == 4 and "completed" in statuses.values() and "stopped early" in statuses.values()
+    assert "stopped early" in (statuses[1e-6], statuses[1e-7])
+    stopped = [r for r in result["trials"] if r["status"] == "stopped early"]
+    assert all(r["steps"] < 8 for r in stopped)
+    assert result["best"]["config"]["train.lr"] in (0.03, 0.01)
+    adapter = PeftModel.from_pretrained(tiny_model("llama"), tmp / "sweep" / "best" / "adapter")
+    assert any(p.abs().sum() > 0 for n, p in adapter.named_parameters() if "lora_B" in n)
+    table = (tmp / "sweep" / "results.csv").read_text().splitlines()
+    assert table[0] == "trial,train.lr,lora.rank,status,steps,metric" and len(table) == 5
+    assert (tmp / "sweep" / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mlflow_has_one_parent_and_a_child_per_trial_and_the_best_is_registered(swept):
+    tmp, result = swept
+    client = mlflow.MlflowClient(f"sqlite:///{tmp}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sweeps").experiment_id])
+    parent = client.get_run(result["parent_run_id"])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(runs) == 5 and len(children) == 4
+    assert parent.info.status == "FINISHED" and parent.data.params["best.train.lr"] == str(
+        result["best"]["config"]["train.lr"]
+    )
+    assert {"adapter", "results.csv", "sweep.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    by_status = {r.data.tags["raylora.trial_status"]: r.info.status for r in children}
+    assert by_status["completed"] == "FINISHED" and by_status["stopped early"] == "KILLED"
+    for child in children:
+        assert child.data.params["lora.rank"] == "4" and "eval_loss" in child.data.metrics
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "eval_loss")][0] == 2
+    version = client.get_model_version("tiny-best", str(result["registered"][1]))
+    assert version.tags["raylora.kind"] == "lora-adapter" and version.run_id == parent.info.run_id
+
+
+def test_a_trial_that_diverges_fails_and_is_never_the_best(ray_session, tmp_path):
+    """The NaN guard's divergence is an errored trial in Tune and a FAILED child run.
+
+    Under fp16 with alpha 4096 the grad scaler overflows for the first steps: a trial that tolerates one
+    non-finite step diverges, one that tolerates 30 lets the scaler back off and trains.
+    """
+    cfg = load_config(
+        ROOT / "configs/tiny_sweep_cpu.yaml",
+        overrides(tmp_path, "tune.space={train.nan_tolerance: {grid: [1, 30]}}", "tune.search=grid",
+                  "tune.num_samples=1", "tune.scheduler=none", "lora.alpha=4096", "train.lr=1.0e-5",
+                  "backend.precision=fp16", "train.max_steps=4"),
+    )  # fmt: skip
+    result = sweep(cfg, log=lambda s: None)
+    statuses = {r["train.nan_tolerance"]: r["status"] for r in result["trials"]}
+    assert statuses == {1: "failed", 30: "completed"} and result["best"]["config"]["train.nan_tolerance"] == 30
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("sweeps").experiment_id
+    runs = client.search_runs([experiment], "tags.raylora.trial_status = 'failed'")
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"
+
+
+def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
+    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
+           *overrides(tmp_path, "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
+                      "tune.max_concurrent=1", "tune.scheduler=none")]  # fmt: skip
+    driver = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    trials = tmp_path / "sweep" / "trials"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and len(list(trials.glob("*/workers/rank0.json"))) < 2:
+            time.sleep(0.5)  # the second trial starts once the first has finished
+        first = min(trials.iterdir(), key=lambda p: p.stat().st_mtime)
+        finished_pid = json.loads((first / "workers" / "rank0.json").read_text())["pid"]
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+        stop_processes(ray_tmp)
+    resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    stop_processes(ray_tmp)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((first / "workers" / "rank0.json").read_text())["pid"] == finished_pid  # not rerun
+    rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
+    assert len(rows) == 2 and all(",completed," in row for row in rows)
+    assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def stop_processes(marker: str) -> None:
+    """Stop what a killed driver left of its local Ray (found by its own temp folder), by PID."""
+    ours = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    for p in ours:
+        p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(ours, timeout=15)
+    for p in alive:
+        p.kill()

@@ -1,0 +1,53 @@
+"""Relative output paths under `ray job submit` go to a durable folder, or are refused with the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from raylora.config import ConfigError, load_config
+from raylora.paths import anchor_outputs
+
+
+@pytest.fixture
+def ray_copy(tmp_path, monkeypatch):
+    """Run in a folder shaped like Ray's temporary copy of a job's working folder."""
+    folder = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123abcd"
+    folder.mkdir(parents=True)
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv("RAYLORA_BASE_DIR", raising=False)
+    return folder
+
+
+def test_relative_outputs_in_rays_copy_are_refused_with_both_fixes(ray_copy):
+    cfg = load_config(None, ["train.output_dir=outputs/run", "data.output_dir=/abs/data"])
+    with pytest.raises(ConfigError) as err:
+        anchor_outputs(cfg, "train")
+    problems = dict(err.value.problems)
+    assert set(problems) == {"train.output_dir", "tracking.uri"}
+    assert "train.output_dir=/abs/folder/outputs/run" in problems["train.output_dir"]
+    assert str(ray_copy) in problems["train.output_dir"] and "RAYLORA_BASE_DIR" in problems["train.output_dir"]
+    assert "tracking.uri=sqlite:////abs/folder/mlflow.db" in problems["tracking.uri"]
+
+
+def test_base_dir_from_the_jobs_environment_anchors_every_output(ray_copy, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYLORA_BASE_DIR", str(tmp_path / "home"))
+    cfg = anchor_outputs(load_config(None, ["tracking.uri=sqlite:///runs/m.db"]), "tune")
+    assert cfg.train.output_dir == str(tmp_path / "home" / "outputs/run")
+    assert cfg.data.output_dir == str(tmp_path / "home" / "outputs/data")
+    assert cfg.tracking.uri == f"sqlite:///{tmp_path}/home/runs/m.db"
+    assert cfg.serve.adapter_root == "outputs/adapters"  # tune does not write there
+
+
+def test_outside_a_job_paths_resolve_against_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAYLORA_BASE_DIR", raising=False)
+    cfg = anchor_outputs(load_config(None, ["tracking.enabled=false"]), "serve")
+    assert Path(cfg.serve.adapter_root) == tmp_path / "outputs/adapters" and cfg.tracking.uri is None
+
+
+def test_cli_exits_2_before_anything_runs(ray_copy, capsys):
+    from raylora.cli import main
+
+    assert main(["prepare", str(Path(__file__).parents[2] / "configs/tiny_lora_cpu.yaml")]) == 2
+    assert "data.output_dir: 'outputs/tiny_lora_cpu/data' is relative" in capsys.readouterr().err
+    assert not (ray_copy / "outputs").exists()

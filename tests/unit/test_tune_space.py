@@ -1,0 +1,97 @@
+"""Every bad sweep is refused before any trial, naming the exact key and the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from raylora.config import ConfigError, load_config
+from raylora.tune import space
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_sweep_cpu.yaml"
+
+
+def problems(*overrides: str) -> dict[str, str]:
+    with pytest.raises(ConfigError) as err:
+        space.check(load_config(TINY, list(overrides)))
+    return dict(err.value.problems)
+
+
+def test_the_shipped_tiny_sweep_passes():
+    space.check(load_config(TINY))
+
+
+def test_empty_space():
+    assert "is empty; give at least one key" in problems("tune.space={}")["tune.space"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "key", "fragment"),
+    [
+        ("lora.rank: [4, 8]", "lora.rank", "expected one distribution"),
+        ("lora.rank: {choise: [4, 8]}", "lora.rank", "unknown distribution 'choise'; did you mean 'choice'?"),
+        ("train.lr: {loguniform: [1.0e-3, 1.0e-5]}", "train.lr", "low 0.001 must be below high 1e-05"),
+        ("train.lr: {uniform: [0.1]}", "train.lr", "uniform takes [low, high]"),
+        ("train.lr: {loguniform: [0, 1.0e-3]}", "train.lr", "loguniform needs low > 0"),
+        ("lora.rnak: {choice: [4]}", "lora.rnak", "did you mean 'lora.rank'?"),
+        ("data.cutoff_len: {choice: [64]}", "data.cutoff_len", "only lora.* and train.* keys can be searched"),
+        ("lora.target_modules: {uniform: [1, 2]}", "lora.target_modules", "uniform needs a number key"),
+        ("lora.rank: {uniform: [4, 16]}", "lora.rank", "use randint or choice"),
+        ("train.lr: {randint: [1, 3]}", "train.lr", "randint needs an integer key"),
+        ("lora.rank: {choice: [4, 0]}", "lora.rank", "value 0: got 0, allowed: ≥ 1"),
+        ("lora.alpha: {choice: [16, big]}", "lora.alpha", "value 'big': got 'big' (str), expected float"),
+        ("train.max_steps: {choice: [4, 8]}", "train.max_steps", "ASHA's budget is train.max_steps"),
+        ("lora.rank: {choice: []}", "lora.rank", "takes a non-empty list"),
+    ],
+)
+def test_bad_entries_name_the_key(entry, key, fragment):
+    found = problems("tune.space={" + entry + "}")
+    assert fragment in found[f"tune.space.{key}"]
+
+
+def test_every_problem_is_listed_at_once():
+    found = problems("tune.space={lora.rank: {choise: [4]}, train.lr: {loguniform: [1, 0.1]}}", "tune.metric=eval_loss",
+                     "data.eval_fraction=0", "train.eval_every=0")  # fmt: skip
+    assert {"tune.space.lora.rank", "tune.space.train.lr", "tune.metric", "train.eval_every"} <= set(found)
+    assert "data.eval_fraction" in found["tune.metric"] and "tune.scheduler=none" in found["train.eval_every"]
+
+
+def test_grid_search_over_a_continuous_distribution():
+    found = problems("tune.search=grid")
+    assert "search: grid cannot search a continuous distribution (loguniform)" in found["tune.space.train.lr"]
+
+
+def test_optuna_missing_says_how_to_install(monkeypatch):
+    real = space.importlib.util.find_spec
+    monkeypatch.setattr(space.importlib.util, "find_spec", lambda name: None if name == "optuna" else real(name))
+    assert "pip install optuna" in problems("tune.search=optuna")["tune.search"]
+
+
+def test_a_metric_training_does_not_report_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match=r"tune.metric: got 'accuracy', allowed: eval_loss, eval_perplexity, loss"):
+        load_config(TINY, ["tune.metric=accuracy"])
+
+
+def test_a_bad_registered_name():
+    assert "tune.register_as" in problems("tune.register_as=../best")
+
+
+def test_a_trial_larger_than_the_cluster_is_refused(monkeypatch):
+    import ray
+
+    from raylora.tune.sweep import trials_at_once
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    assert trials_at_once(load_config(TINY)) == 2
+    assert trials_at_once(load_config(TINY, ["tune.max_concurrent=1"])) == 1
+    with pytest.raises(ConfigError) as err:
+        trials_at_once(load_config(TINY, ["train.num_workers=3"]))
+    assert "one trial asks for 3 CPU" in dict(err.value.problems)["train.num_workers"]
+
+
+def test_to_tune_and_apply():
+    from ray import tune
+
+    domains = space.to_tune({"lora.rank": {"choice": [4, 8]}, "train.lr": {"loguniform": [1e-5, 1e-3]}}, "grid")
+    assert domains["lora.rank"] == tune.grid_search([4, 8]) and domains["train.lr"].lower == 1e-5
+    job = space.apply({"lora": {"rank": 8}, "train": {"lr": 1.0}}, {"lora.rank": 4})
+    assert job == {"lora": {"rank": 4}, "train": {"lr": 1.0}}
