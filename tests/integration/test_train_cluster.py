@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -12,9 +11,9 @@ import time
 from pathlib import Path
 
 import mlflow
-import psutil
 import pytest
 import ray
+from processes import stop_processes
 from ray.cluster_utils import Cluster
 
 from raylora.config import load_config
@@ -27,16 +26,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def stop_cluster(temp_dir: str) -> None:
-    """Stop the processes of the cluster this test started (found by its own temp folder), by PID."""
-    ours = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
-    for p in ours:
-        p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(ours, timeout=15)
-    for p in alive:
-        p.kill()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +47,7 @@ def head():
     try:
         yield f"http://127.0.0.1:{dashboard}", env, temp_dir
     finally:
-        stop_cluster(temp_dir)
+        stop_processes(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -99,7 +88,7 @@ def test_ray_job_outputs_and_mlflow_artifacts_outlive_rays_temporary_folder(head
     assert "train.output_dir: 'outputs/tiny_lora_cpu' is relative" in refused.stdout + refused.stderr
     proc = submit(address, env, root, *args, runtime_env={"env_vars": {"RAYLORA_BASE_DIR": str(tmp_path)}})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    stop_cluster(temp_dir)
+    stop_processes(temp_dir)
     shutil.rmtree(temp_dir)
     assert (tmp_path / "outputs" / "tiny_lora_cpu" / "adapter" / "adapter_model.safetensors").is_file()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

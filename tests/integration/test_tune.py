@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import mlflow
-import psutil
 import pytest
 from peft import PeftModel
+from processes import stop_processes
 
 from raylora.config import load_config
 from raylora.models import tiny_model
@@ -125,13 +125,3 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
     assert len(rows) == 2 and all(",completed," in row for row in rows)
     assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
-
-
-def stop_processes(marker: str) -> None:
-    """Stop what a killed driver left of its local Ray (found by its own temp folder), by PID."""
-    ours = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
-    for p in ours:
-        p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(ours, timeout=15)
-    for p in alive:
-        p.kill()
