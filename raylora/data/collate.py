@@ -32,9 +32,15 @@ def block_causal_mask(seq_lens: list[list[int]], width: int, dtype: torch.dtype 
     return mask[:, None]
 
 
-def collate_packs(rows: list[dict], pad_id: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """A training batch from pack rows: ``input_ids``, ``labels``, ``position_ids`` (B, T) and ``attention_mask`` (B, 1, T, T)."""
-    width = max(len(r["input_ids"]) for r in rows)
+def collate_packs(
+    rows: list[dict], pad_id: int, dtype: torch.dtype = torch.float32, width: int = 0
+) -> dict[str, torch.Tensor]:
+    """A training batch from pack rows: ``input_ids``, ``labels``, ``position_ids`` (B, T) and ``attention_mask`` (B, 1, T, T).
+
+    T is the longest row, or ``width`` when that is longer (a fixed T keeps every row's numbers independent
+    of the other rows of the batch).
+    """
+    width = max(width, *(len(r["input_ids"]) for r in rows))
 
     def pad(key: str, value: int) -> torch.Tensor:
         return torch.tensor([list(r[key]) + [value] * (width - len(r[key])) for r in rows])

@@ -45,6 +45,11 @@ class TrainState:
 def save(folder: Path, model, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig) -> None:
     """Write a checkpoint of ``model`` (a peft model, unwrapped from DDP) into ``folder``."""
     model.save_pretrained(folder / "adapter")
+    save_state(folder, optimizer, scheduler, scaler, state, cfg)
+
+
+def save_state(folder: Path, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig) -> None:
+    """Everything of a checkpoint but the adapter: ``state.pt``, ``meta.json`` and ``history.json``."""
     torch.save(
         {
             "optimizer": optimizer.state_dict(),
@@ -76,13 +81,14 @@ def check_compatible(folder: Path, cfg: JobConfig) -> None:
         )
 
 
-def load(folder: Path, model, optimizer, scheduler, scaler) -> TrainState:
-    """Restore a checkpoint into live objects; returns its :class:`TrainState`."""
+def load(folder: Path, model, optimizer, scheduler, scaler, adapter: str = "default") -> TrainState:
+    """Restore a checkpoint into live objects (its weights into the peft ``model``'s adapter ``adapter``);
+    returns its :class:`TrainState`."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
-    set_peft_model_state_dict(model, weights)
+    set_peft_model_state_dict(model, weights, adapter_name=adapter)
     saved = torch.load(folder / "state.pt", weights_only=False)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
@@ -111,13 +117,13 @@ def load_comm(folder: Path, hook, rank: int, world: int) -> str | None:
     return None
 
 
-def snapshot(model, optimizer, scheduler, scaler, state: TrainState) -> dict[str, Any]:
+def snapshot(model, optimizer, scheduler, scaler, state: TrainState, adapter: str = "default") -> dict[str, Any]:
     """An in-memory copy of everything a rollback restores (the last good checkpoint's content)."""
     from peft import get_peft_model_state_dict
 
     return copy.deepcopy(
         {
-            "adapter": get_peft_model_state_dict(model),
+            "adapter": get_peft_model_state_dict(model, adapter_name=adapter),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
@@ -126,10 +132,10 @@ def snapshot(model, optimizer, scheduler, scaler, state: TrainState) -> dict[str
     )
 
 
-def restore(saved: dict[str, Any], model, optimizer, scheduler, scaler) -> TrainState:
+def restore(saved: dict[str, Any], model, optimizer, scheduler, scaler, adapter: str = "default") -> TrainState:
     from peft import set_peft_model_state_dict
 
-    set_peft_model_state_dict(model, saved["adapter"])
+    set_peft_model_state_dict(model, saved["adapter"], adapter_name=adapter)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     scaler.load_state_dict(saved["scaler"])

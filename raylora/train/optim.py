@@ -14,10 +14,14 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "mlp")
 
 def build_optimizer(model, train: TrainArgs, backend: Backend) -> torch.optim.Optimizer:
     """AdamW over the LoRA weights in two groups: attention (lr) and MLP (lr x lr_mlp_scale)."""
+    return adamw([(n, p) for n, p in model.named_parameters() if p.requires_grad], train, backend)
+
+
+def adamw(named: list[tuple[str, torch.nn.Parameter]], train: TrainArgs, backend: Backend) -> torch.optim.Optimizer:
+    """AdamW over ``named`` parameters (module path, parameter) in two groups: attention (lr) and MLP (lr x lr_mlp_scale)."""
     groups: dict[str, list] = {"attention": [], "mlp": []}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            groups["mlp" if any(f".{m}." in name for m in MLP_MODULES) else "attention"].append(p)
+    for name, p in named:
+        groups["mlp" if any(f".{m}." in name for m in MLP_MODULES) else "attention"].append(p)
     eps = max(train.adam_eps, 1e-6) if backend.needs_grad_scaler else train.adam_eps
     params = [
         {"params": groups["attention"], "lr": train.lr, "name": "attention"},

@@ -1,0 +1,428 @@
+"""Many LoRA adapters trained together on one frozen base: the grouped step.
+
+A :class:`Group` holds one copy of the frozen base model and the data, and up to K members. A member is one
+training run (a sweep's trial): its own LoRA shape (rank, alpha, dropout, target modules), optimizer, schedule,
+gradient clipping, NaN guard, grad scaler, step count and data position. Each member is a named adapter of one
+peft model, so it saves as a plain peft adapter.
+
+One grouped step: every member takes its own next micro-batch (members that joined later are at an earlier
+place in the data: each starts at its own step 0 and data position 0) → the rows are stacked, member after
+member → one forward: each base linear runs once over all rows, and each adapted linear adds, to each member's
+rows only, that member's LoRA → each member's loss over its own rows → one backward → each member clips, checks
+and steps its own optimizer. The base is frozen, so no gradient is summed over rows: member m's gradients are
+exactly those of its own loss, and a member that joins or leaves changes nothing in the others' numbers (rows are
+padded to one fixed width, ``data.cutoff_len``, for that).
+
+Members join and leave between steps. With several workers (``world > 1``, torch.distributed started), every
+worker holds the same members, reads its own shard of the rows, and each member's gradients are all-reduced.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from raylora.backends import resolve_backend
+from raylora.config import JobConfig
+from raylora.data.collate import collate_packs
+from raylora.models import load_model, target_modules
+from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
+from raylora.train import checkpoint as ckpt
+from raylora.train.checkpoint import TrainState
+from raylora.train.lm import head_is_plain_linear
+from raylora.train.optim import adamw, build_scheduler
+
+
+@dataclass
+class Member:
+    """One adapter of the group and everything its training owns."""
+
+    name: str  # the adapter's name in the group's peft model
+    cfg: JobConfig
+    out: Path | None  # checkpoints go to out/ray/checkpoint_<step> (None: none written)
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    lr_scale: list[float]
+    state: TrainState
+    last_good: dict
+    resumed_from: int = 0
+    bad_in_row: int = 0
+    tokens_seen: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Event:
+    """What one member's step produced. ``status``: running, done (reached max_steps) or diverged (it left).
+
+    ``report`` holds the metrics of a log, eval or checkpoint step (``None`` otherwise); ``checkpoint`` the folder
+    written at this step.
+    """
+
+    member: str
+    step: int
+    status: str
+    report: dict | None = None
+    checkpoint: Path | None = None
+
+
+class Group:
+    """One frozen base model and its member adapters, on this worker.
+
+    Args:
+        cfg: the job every member shares: model, data, backend, and the fixed row width ``data.cutoff_len``.
+        rows: this worker's training pack rows (``input_ids``, ``labels``, ``position_ids``, ``seq_lens``,
+            ``num_tokens``), in the order every member reads them.
+        eval_rows: the evaluation pack rows (every worker reads all of them), or ``None``.
+        rank, world: this worker's place among the group's workers (torch.distributed started when world > 1).
+    """
+
+    def __init__(self, cfg: JobConfig, rows: list[dict], eval_rows: list[dict] | None, rank: int = 0, world: int = 1):
+        self.cfg = cfg
+        self.backend = resolve_backend(cfg.backend)
+        self.device = self.backend.torch_device(0 if world == 1 else rank % max(1, torch.cuda.device_count()))
+        self.rows, self.eval_rows = rows, eval_rows or []
+        self.rank, self.world = rank, world
+        self.base, tokenizer = load_model(cfg.model)
+        self.base.to(self.device)
+        self.pad_id = tokenizer.pad_token_id
+        self.mask_dtype = self.backend.amp_dtype or self.base.dtype
+        self.model = None  # the peft model, built when the first member joins
+        self.chunked = False
+        self.spans: dict[str, slice] = {}  # member -> its rows of the batch in flight, read by every LoRA layer
+        self.members: dict[str, Member] = {}
+
+    def join(self, name: str, cfg: JobConfig, out: Path | None = None, resume_from: Path | None = None) -> None:
+        """Add a member at its own step 0, or at the step of the checkpoint folder ``resume_from``.
+
+        Its LoRA weights are drawn as a run of ``cfg`` alone draws them (``train.seed``, peft's initialisation).
+        Raises:
+            ValueError: ``name`` is already a member.
+            ModelError: ``cfg.lora.target_modules`` names a layer the base does not have.
+            CheckpointError: ``resume_from`` was written for another base model or LoRA shape.
+        """
+        from peft import LoraConfig, get_peft_model
+
+        if name in self.members:
+            raise ValueError(f"{name} is already a member of this group")
+        lora = LoraConfig(
+            r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=target_modules(self.base, cfg.lora.target_modules), use_rslora=cfg.lora.use_rslora,
+            task_type="CAUSAL_LM",
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.train.seed)
+            if self.model is None:
+                self.model = get_peft_model(self.base, lora, adapter_name=name)
+            else:
+                self.model.add_adapter(name, lora)
+        self.model.to(self.device)
+        self._wire_layers()
+        named = [(n, p) for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
+        for _, p in named:
+            p.requires_grad_(True)
+        if self.chunked is False and cfg.train.chunked_loss:
+            self.chunked = head_is_plain_linear(self.model)[0]
+        optimizer = adamw(named, cfg.train, self.backend)
+        lr_scale = [1.0]
+        scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
+        scaler = torch.amp.GradScaler(self.backend.name, enabled=self.backend.needs_grad_scaler)
+        state = TrainState()
+        if resume_from is not None:
+            ckpt.check_compatible(resume_from, cfg)
+            state = ckpt.load(resume_from, self.model, optimizer, scheduler, scaler, adapter=name)
+            lr_scale[0] = state.lr_scale
+        params = [p for _, p in named]
+        snap = ckpt.snapshot(self.model, optimizer, scheduler, scaler, state, adapter=name)
+        self.members[name] = Member(
+            name, cfg, out, params, optimizer, scheduler, scaler, lr_scale, state, snap, resumed_from=state.step
+        )
+        self._trainable()
+
+    def leave(self, name: str) -> None:
+        """Remove a member and its adapter (its saved checkpoints stay); the others are untouched."""
+        if name not in self.members:
+            return
+        del self.members[name]
+        self.model.delete_adapter(name)
+        self._trainable()
+
+    def step(self, names: list[str] | None = None) -> list[Event]:
+        """One optimizer step of the members ``names`` (default: all), their forward and backward passes grouped.
+
+        A member that reaches ``train.max_steps`` reports ``done``; one that diverges (non-finite loss or
+        gradient norm ``train.nan_tolerance`` times in a row, again after one rollback to its last good
+        checkpoint with half the learning rate) reports ``diverged``. Both stay members until :meth:`leave`.
+        Returns:
+            One :class:`Event` per stepped member.
+        """
+        members = [self.members[n] for n in (names if names is not None else list(self.members))]
+        if not members:
+            return []
+        results = self._train_step(members)
+        events, due_eval, saving = [], [], set()
+        for m in members:
+            loss, tokens, grad_norm, position = results[m.name]
+            event = self._guard(m, loss, grad_norm)
+            if event is not None:
+                events.append(event)
+                continue
+            m.state.epoch, m.state.rows_in_epoch = position
+            m.state.step += 1
+            m.tokens_seen += tokens
+            train = m.cfg.train
+            final = m.state.step == train.max_steps
+            evaluate_now = final or (train.eval_every and m.state.step % train.eval_every == 0)
+            save_now = final or (train.checkpoint_every and m.state.step % train.checkpoint_every == 0)
+            report = None
+            if final or evaluate_now or save_now or m.state.step % train.log_every == 0:
+                report = {
+                    "loss": loss, "lr": m.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                    "tokens_per_s": m.tokens_seen / (time.perf_counter() - m.started), "tokens": m.tokens_seen,
+                    "peak_memory_mb": self.backend.peak_memory_mb(), "skipped_steps": m.state.skipped_steps,
+                }  # fmt: skip
+            if evaluate_now and self.eval_rows:
+                due_eval.append(m)
+            events.append(Event(m.name, m.state.step, "done" if final else "running", report, None))
+            if save_now:
+                saving.add(m.name)
+        scores = self._evaluate(due_eval) if due_eval else {}
+        for event in events:
+            m = self.members[event.member]
+            if event.report is None or event.status == "diverged":
+                continue
+            event.report.update(scores.get(m.name, {}))
+            if event.status == "done" and not all(torch.isfinite(p).all() for p in m.params):
+                event.status, event.report = "diverged", None
+                continue
+            m.state.history.append({"step": m.state.step, **event.report})
+            event.report = {**event.report, "step": m.state.step, "resumed_from": m.resumed_from}
+            if m.name in saving:
+                m.state.lr_scale = m.lr_scale[0]
+                m.last_good = ckpt.snapshot(self.model, m.optimizer, m.scheduler, m.scaler, m.state, adapter=m.name)
+                event.checkpoint = self._save(m) if m.out is not None and self.rank == 0 else None
+        return events
+
+    def save_adapter(self, name: str, folder: Path) -> None:
+        """Write member ``name``'s adapter as a plain peft adapter folder (``PeftModel.from_pretrained`` loads it)."""
+        with tempfile.TemporaryDirectory(prefix="raylora-member-") as tmp:
+            self.model.save_pretrained(tmp, selected_adapters=[name])
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.move(str(Path(tmp) / name), str(folder))
+
+    def _save(self, m: Member) -> Path:
+        """The member's checkpoint ``out/ray/checkpoint_<step>`` (the layout of a Ray Train run's), keeping the newest."""
+        root = m.out / "ray"
+        folder = root / f"checkpoint_{m.state.step:06d}"
+        partial = root / f".{folder.name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        self.save_adapter(m.name, partial / "adapter")
+        ckpt.save_state(partial, m.optimizer, m.scheduler, m.scaler, m.state, m.cfg)
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+        for old in sorted(root.glob("checkpoint_*"))[: -m.cfg.train.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+    def _guard(self, m: Member, loss: float, grad_norm: float) -> Event | None:
+        """The NaN guard of one member's step; returns an Event when the step did not count."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            m.bad_in_row = 0
+            return None
+        m.state.skipped_steps += 1
+        m.bad_in_row += 1
+        if m.bad_in_row < m.cfg.train.nan_tolerance:
+            return Event(m.name, m.state.step, "running")
+        if m.state.rollbacks >= 1:
+            return Event(m.name, m.state.step, "diverged")
+        skipped = m.state.skipped_steps
+        m.state = ckpt.restore(m.last_good, self.model, m.optimizer, m.scheduler, m.scaler, adapter=m.name)
+        m.state.rollbacks, m.state.skipped_steps, m.state.lr_scale = 1, skipped, m.state.lr_scale * 0.5
+        m.lr_scale[0] = m.state.lr_scale
+        m.bad_in_row = 0
+        return Event(m.name, m.state.step, "running")
+
+    def _next_rows(self, m: Member, position: tuple[int, int]) -> tuple[list[dict], tuple[int, int]]:
+        """Member ``m``'s next micro-batch of this worker's rows after ``position`` (epoch, rows read by all workers)."""
+        size = m.cfg.train.batch_size
+        epoch, done = position
+        start = done // self.world
+        if start + size > len(self.rows):
+            if len(self.rows) < size:
+                raise RuntimeError(f"this worker's data holds fewer than train.batch_size={size} sequences")
+            epoch, start = epoch + 1, 0
+        return self.rows[start : start + size], (epoch, (start + size) * self.world)
+
+    def _train_step(self, members: list[Member]) -> dict[str, tuple[float, int, float, tuple[int, int]]]:
+        """Forward and backward of every member's micro-batches together, then each member's optimizer step.
+
+        The objective of each member is the one of :func:`raylora.train.loop.train_step`: its cross-entropy
+        summed over the label tokens of its step (all micro-batches, all workers), divided by their number.
+        Returns:
+            member -> (loss per label token, real tokens over workers, gradient norm, data position).
+        """
+        micro: dict[str, list[list[dict]]] = {}
+        counts, positions = {}, {}
+        for m in members:
+            position, batches = (m.state.epoch, m.state.rows_in_epoch), []
+            for _ in range(m.cfg.train.grad_accum):
+                rows, position = self._next_rows(m, position)
+                batches.append(rows)
+            micro[m.name], positions[m.name] = batches, position
+            labels = sum(sum(1 for t in r["labels"][1:] if t != IGNORE_INDEX) for rows in batches for r in rows)
+            counts[m.name] = [float(labels), float(sum(r["num_tokens"] for rows in batches for r in rows))]
+        count = torch.tensor([counts[m.name] for m in members], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(count)
+        totals = {m.name: torch.zeros((), device=self.device) for m in members}
+        for k in range(max(m.cfg.train.grad_accum for m in members)):
+            present = [m for m in members if k < m.cfg.train.grad_accum]
+            losses = self._losses({m.name: micro[m.name][k] for m in present})
+            objective = 0
+            for i, m in enumerate(members):
+                if m.name in losses:
+                    scale = self.world / max(count[i, 0].item(), 1.0)
+                    objective = objective + m.scaler.scale(losses[m.name] * scale)
+                    totals[m.name] += losses[m.name].detach().float()
+            objective.backward()
+        if self.world > 1:
+            self._all_reduce_grads(members, totals)
+        results = {}
+        for i, m in enumerate(members):
+            m.scaler.unscale_(m.optimizer)
+            clip = m.cfg.train.max_grad_norm if m.cfg.train.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(m.params, clip).item()
+            loss = totals[m.name].item() / max(count[i, 0].item(), 1.0)
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                m.scaler.step(m.optimizer)
+                m.scheduler.step()
+            m.scaler.update()
+            m.optimizer.zero_grad(set_to_none=True)
+            results[m.name] = (loss, int(count[i, 1].item()), grad_norm, positions[m.name])
+        return results
+
+    def _all_reduce_grads(self, members: list[Member], totals: dict[str, torch.Tensor]) -> None:
+        """Sum every member's gradients (already scaled by world / label count) and summed losses over workers, in one call."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for m in members for p in m.params]
+        flat = torch.cat([g.flatten().float() for g in grads] + [totals[m.name].reshape(1) for m in members])
+        dist.all_reduce(flat)
+        # DDP averages gradients over workers; the per-member scale of world / label count expects that.
+        offset = 0
+        for m in members:
+            for p in m.params:
+                n = p.numel()
+                p.grad = (flat[offset : offset + n] / self.world).view_as(p).to(p.dtype)
+                offset += n
+        for m in members:
+            totals[m.name] = flat[offset]
+            offset += 1
+
+    def _losses(self, micro: dict[str, list[dict]], train: bool = True) -> dict[str, torch.Tensor]:
+        """Each member's cross-entropy summed over its label tokens, from one forward over all members' rows.
+
+        Args:
+            micro: member -> its pack rows for this forward (the rows are stacked in this order).
+        Returns:
+            member -> 0-d fp32 tensor.
+        """
+        rows, start = [], 0
+        self.spans.clear()
+        for name, member_rows in micro.items():
+            self.spans[name] = slice(start, start + len(member_rows))
+            rows += member_rows
+            start += len(member_rows)
+        batch = {
+            k: v.to(self.device)
+            for k, v in collate_packs(rows, self.pad_id, self.mask_dtype, self.cfg.data.cutoff_len).items()
+        }
+        causal_lm = self.model.get_base_model()
+        amp = self.backend.amp_dtype
+        losses = {}
+        with torch.autocast(self.backend.name, dtype=amp, enabled=amp is not None):
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+            if self.chunked:
+                hidden = causal_lm.get_decoder()(**inputs).last_hidden_state
+                head = causal_lm.get_output_embeddings().weight
+                for name, span in self.spans.items():
+                    scored, targets = label_positions(hidden[span], batch["labels"][span])
+                    losses[name] = linear_cross_entropy(scored, head, targets, amp)
+            else:
+                logits = causal_lm(**inputs).logits
+                for name, span in self.spans.items():
+                    losses[name] = F.cross_entropy(
+                        logits[span, :-1].flatten(0, 1).float(),
+                        batch["labels"][span, 1:].flatten(),
+                        ignore_index=IGNORE_INDEX,
+                        reduction="sum",
+                    )
+        return losses
+
+    @torch.no_grad()
+    def _evaluate(self, members: list[Member]) -> dict[str, dict[str, float]]:
+        """Eval loss per label token (and perplexity) of each of ``members`` over the eval rows, evaluated together."""
+        self.model.eval()
+        total = torch.zeros(len(members), 2, dtype=torch.float64, device=self.device)
+        size = members[0].cfg.train.batch_size
+        for start in range(0, len(self.eval_rows), size):
+            rows = self.eval_rows[start : start + size]
+            losses = self._losses({m.name: rows for m in members})
+            targets = sum(sum(1 for t in r["labels"][1:] if t != IGNORE_INDEX) for r in rows)
+            for i, m in enumerate(members):
+                total[i] += torch.tensor([losses[m.name].double().item(), float(targets)], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(total)
+            total /= self.world  # every worker evaluated all the eval rows
+        self.model.train()
+        scores = {}
+        for i, m in enumerate(members):
+            if total[i, 1] > 0:
+                value = (total[i, 0] / total[i, 1]).item()
+                scores[m.name] = {"eval_loss": value, "eval_perplexity": math.exp(min(value, 50))}
+        return scores
+
+    def _wire_layers(self) -> None:
+        """Give every LoRA linear of the peft model the grouped forward (new ones appear as members join)."""
+        from peft.tuners.lora import Linear as LoraLinear
+
+        for layer in self.model.modules():
+            if isinstance(layer, LoraLinear):
+                layer._raylora_spans = self.spans
+                layer.forward = _grouped_forward.__get__(layer)
+        self.model.train()
+
+    def _trainable(self) -> None:
+        """peft marks only its active adapter trainable when adapters come and go; every member trains."""
+        for m in self.members.values():
+            for p in m.params:
+                p.requires_grad_(True)
+
+
+def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``base(x)`` over all rows, plus each member's ``B(A(dropout(x))) * scaling`` on its own rows (peft's order).
+
+    ``x``: (rows, tokens, in_features), rows stacked member after member as ``self._raylora_spans`` says.
+    """
+    result = self.base_layer(x, *args, **kwargs)
+    pieces = []
+    for name, span in self._raylora_spans.items():
+        part = result[span]
+        if name in self.lora_A:
+            a, b = self.lora_A[name].weight, self.lora_B[name].weight
+            rows = x[span] if torch.is_autocast_enabled(x.device.type) else x[span].to(a.dtype)
+            lora = F.linear(F.linear(self.lora_dropout[name](rows), a), b) * self.scaling[name]
+            part = (part + lora).to(result.dtype)
+        pieces.append(part)
+    if not pieces:
+        return result
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -1,0 +1,191 @@
+"""The grouped step: K LoRA members on one frozen tiny Llama, against each member trained alone.
+
+"Alone" is the Ray Train worker's own path (``attach_lora`` after ``train.seed``, ``training_model`` with its fused
+LoRA and chunked loss, ``train_step``) on the same rows in the same order, fp32, dropout 0. Tolerance: 1e-5
+relative on every loss and 1e-5 on every adapter weight (the fused path orders its sums differently). Members
+that join and leave change nothing in the others: that is checked bit for bit.
+"""
+
+import random
+
+import pytest
+import torch
+from peft import PeftModel
+
+from raylora.backends import resolve_backend
+from raylora.config import from_dict
+from raylora.models import attach_lora, tiny_model
+from raylora.train.checkpoint import TrainState
+from raylora.train.group import Group
+from raylora.train.lm import training_model
+from raylora.train.loop import micro_batches, train_step
+from raylora.train.optim import build_optimizer, build_scheduler
+
+WIDTH = 16
+BASE = {
+    "model": {"name_or_path": "tiny-llama"}, "data": {"cutoff_len": WIDTH}, "backend": {"device": "cpu", "precision": "fp32"},
+    "tracking": {"enabled": False}, "lora": {"dropout": 0.0}, "train": {"max_steps": 4, "lr": 1e-2},
+}  # fmt: skip
+MEMBERS = {
+    "ma": {"lora": {"rank": 4, "alpha": 8, "target_modules": ["attention"]}},
+    "mb": {"lora": {"rank": 8, "alpha": 32, "target_modules": ["mlp"]},
+          "train": {"lr": 3e-2, "max_grad_norm": 0.05, "scheduler": "linear", "warmup_steps": 1}},
+    "mc": {"lora": {"rank": 2, "alpha": 2, "target_modules": ["all-linear"], "use_rslora": True},
+          "train": {"batch_size": 1, "grad_accum": 3, "seed": 7, "lr_mlp_scale": 0.5}},
+}  # fmt: skip
+
+
+def _cfg(name: str | None = None, **train):
+    job = {k: dict(v) for k, v in BASE.items()}
+    for section, values in MEMBERS.get(name, {}).items():
+        job[section] = {**job[section], **values}
+    job["train"] = {**job["train"], **train}
+    return from_dict(job)
+
+
+def _rows(n: int = 12) -> list[dict]:
+    gen = random.Random(0)
+    rows = []
+    for _ in range(n):
+        length, prompt = gen.randrange(6, WIDTH + 1), gen.randrange(1, 5)
+        ids = [gen.randrange(3, 200) for _ in range(length)]
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:], "position_ids": list(range(length)),
+                     "seq_lens": [length], "num_tokens": length})  # fmt: skip
+    return rows
+
+
+class _Shard:
+    """The Ray Data shard's ``iter_batches`` over a list of rows, for the alone path's ``micro_batches``."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def iter_batches(self, batch_size, batch_format, drop_last):
+        import pyarrow as pa
+
+        for i in range(0, len(self.rows) - batch_size + 1, batch_size):
+            yield pa.Table.from_pylist(self.rows[i : i + batch_size])
+
+
+def _alone(cfg, rows, steps):
+    """Train one adapter the way a Ray Train worker does; returns (losses, adapter weights by name)."""
+    backend = resolve_backend(cfg.backend)
+    torch.manual_seed(cfg.train.seed)
+    model = attach_lora(tiny_model("llama"), cfg.lora).train()
+    loss_model, _ = training_model(model, cfg.train, backend)
+    optimizer = build_optimizer(model, cfg.train, backend)
+    scheduler = build_scheduler(optimizer, cfg.train, [1.0])
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    batches = micro_batches(_Shard(rows), cfg.train.batch_size, TrainState(), 1)
+    cpu = torch.device("cpu")
+    losses = [
+        train_step(loss_model, batches, optimizer, scheduler, scaler, 0, torch.float32, cpu, cfg.train, backend, 1)[0]
+        for _ in range(steps)
+    ]
+    return losses, _weights(model, "default")
+
+
+def _weights(model, adapter: str) -> dict[str, torch.Tensor]:
+    tag = f".{adapter}."
+    return {n.replace(tag, "."): p.detach().clone() for n, p in model.named_parameters() if tag in n}
+
+
+def _run(group: Group, steps: int, names=None) -> dict[str, list[float]]:
+    losses: dict[str, list[float]] = {}
+    for _ in range(steps):
+        for event in group.step(names):
+            losses.setdefault(event.member, []).append(event.report["loss"])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    group = Group(_cfg(), _rows(), None)
+    for name in MEMBERS:
+        group.join(name, _cfg(name, log_every=1))
+    losses = _run(group, 4)
+    return group, losses
+
+
+def test_members_train_as_each_would_alone(grouped):
+    group, losses = grouped
+    for name in MEMBERS:
+        alone_losses, alone_weights = _alone(_cfg(name), _rows(), 4)
+        assert losses[name] == pytest.approx(alone_losses, rel=1e-5), name
+        ours = _weights(group.model, name)
+        assert ours.keys() == alone_weights.keys() and ours
+        for key, value in alone_weights.items():
+            torch.testing.assert_close(ours[key], value, atol=1e-5, rtol=1e-5, msg=f"{name} {key}")
+    assert len({round(v[-1], 6) for v in losses.values()}) == 3  # the members really differ
+
+
+def test_a_member_that_leaves_leaves_the_others_bit_identical(grouped):
+    group, _ = grouped
+    other = Group(_cfg(), _rows(), None)
+    for name in MEMBERS:
+        other.join(name, _cfg(name, log_every=1))
+    _run(other, 2)
+    other.leave("mb")
+    assert "mb" not in other.members and not any(".mb." in n for n, _ in other.model.named_parameters())
+    _run(other, 2)
+    for name in ("ma", "mc"):
+        theirs, ours = _weights(group.model, name), _weights(other.model, name)
+        assert all(torch.equal(theirs[k], ours[k]) for k in theirs), name
+
+
+def test_a_member_joining_mid_run_starts_at_its_own_step_zero():
+    group = Group(_cfg(), _rows(), None)
+    group.join("ma", _cfg("ma", log_every=1))
+    _run(group, 2)
+    group.join("mb", _cfg("mb", log_every=1))
+    late = _run(group, 3)
+    assert [e for e in late["mb"]] and group.members["mb"].state.step == 3 and group.members["ma"].state.step == 5
+    alone = Group(_cfg(), _rows(), None)
+    alone.join("mb", _cfg("mb", log_every=1))
+    assert late["mb"] == _run(alone, 3)["mb"]
+    ours, theirs = _weights(group.model, "mb"), _weights(alone.model, "mb")
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_each_member_saves_a_plain_peft_adapter(grouped, tmp_path):
+    group, _ = grouped
+    group.save_adapter("mb", tmp_path / "mb")
+    loaded = PeftModel.from_pretrained(tiny_model("llama"), tmp_path / "mb")
+    assert loaded.peft_config["default"].r == 8 and set(loaded.peft_config["default"].target_modules) == {
+        "gate_proj", "up_proj", "down_proj"
+    }  # fmt: skip
+    assert all(torch.equal(loaded.state_dict()[k.replace("lora_A.", "lora_A.default.").replace("lora_B.", "lora_B.default.")], v)
+               for k, v in _weights(group.model, "mb").items())  # fmt: skip
+
+
+def test_a_member_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
+    cfg = _cfg("ma", checkpoint_every=2)
+    whole = Group(_cfg(), _rows(), None)
+    whole.join("ma", cfg, out=tmp_path / "whole")
+    events = [e for _ in range(4) for e in whole.step()]
+    assert [e.checkpoint.name for e in events if e.checkpoint] == ["checkpoint_000002", "checkpoint_000004"]
+    assert events[-1].status == "done"
+    first = Group(_cfg(), _rows(), None)
+    first.join("ma", cfg, out=tmp_path / "first")
+    _run(first, 2)
+    resumed = Group(_cfg(), _rows(), None)
+    resumed.join("ma", cfg, out=tmp_path / "first", resume_from=tmp_path / "first" / "ray" / "checkpoint_000002")
+    assert resumed.members["ma"].state.step == 2
+    _run(resumed, 2)
+    ours, theirs = _weights(resumed.model, "ma"), _weights(whole.model, "ma")
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_diverging_member_reports_it_and_the_others_go_on():
+    group = Group(_cfg(), _rows(), None)
+    group.join("ma", _cfg("ma", log_every=1))
+    group.join("bad", _cfg("mb", nan_tolerance=1))
+    statuses = []
+    for _ in range(2):
+        with torch.no_grad():
+            group.members["bad"].params[0].fill_(float("nan"))
+        statuses.append({e.member: e.status for e in group.step()})
+    # the first non-finite step rolls back to the last good state (at half the learning rate), the second diverges
+    assert statuses[0]["bad"] == "running" and statuses[1]["bad"] == "diverged"
+    assert group.members["bad"].lr_scale[0] == 0.5 and group.members["bad"].state.step == 0
+    assert statuses[1]["ma"] == "running" and group.members["ma"].state.step == 2
