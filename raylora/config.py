@@ -193,6 +193,12 @@ class TuneArgs:
         None, help="steps every trial runs before ASHA may stop it (None: train.eval_every)", min=1
     )
     reduction_factor: int = _f(2, help="ASHA keeps 1 / reduction_factor of the trials at each rung", min=2)
+    trials_per_group: int = _f(
+        1,
+        help="trials trained together on one shared copy of the base model (one forward over all their rows, "
+        "each trial its own adapter, optimizer and data position); 1: each trial is its own Ray Train run",
+        min=1,
+    )
     register_as: str | None = _f(
         None, help="MLflow registered model name of the best adapter (None: the name of train.output_dir's folder)"
     )

@@ -42,6 +42,20 @@ def load_model(args: ModelArgs) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     return model.to(_DTYPES[args.dtype]).eval(), load_tokenizer(args)
 
 
+def model_skeleton(args: ModelArgs) -> torch.nn.Module:
+    """The base model's modules without its weights (on the meta device), to check layer names cheaply.
+
+    Raises:
+        ModelError: as :func:`load_model`.
+    """
+    if args.name_or_path in TINY:
+        return tiny_model(TINY[args.name_or_path])
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_folder(args)))
+
+
 def load_int8_folder(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
     """Rebuild a model exported with int8 weights: the same int8 layers, then the saved tensors (strictly)."""
     from safetensors.torch import load_model as load_safetensors
@@ -104,7 +118,13 @@ def target_modules(model: torch.nn.Module, names: list[str]) -> list[str] | str:
             raise ModelError("lora.target_modules: all-linear already covers every Linear layer; give it alone.")
         return "all-linear"
     wanted = list(dict.fromkeys(n for name in names for n in LORA_PRESETS.get(name, [name])))
-    linear = {full.rsplit(".", 1)[-1] for full, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    # In a peft model that already holds adapters (a training group's), a wrapped layer counts as its base layer.
+    linear = {
+        full.rsplit(".", 1)[-1]
+        for full, m in model.named_modules()
+        if isinstance(getattr(m, "base_layer", m), torch.nn.Linear)
+        and not any(part.startswith("lora_") or part == "base_layer" for part in full.split("."))
+    }
     missing = [n for n in wanted if n not in linear]
     if missing:
         raise ModelError(

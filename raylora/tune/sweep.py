@@ -37,7 +37,7 @@ from raylora.train.fit import (
     save_outputs,
     shard_datasets,
 )
-from raylora.tune import space
+from raylora.tune import groups, space
 
 STATUS_TAG = "raylora.trial_status"
 TRIAL_DRIVER_MEMORY = 256 * 2**20
@@ -71,25 +71,35 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             ],
             "the sweep",
         )
+    if cfg.tune.trials_per_group > 1:
+        groups.check(cfg)
     splits = prepare_checked(cfg, log)
     ensure_ray()
     at_once = trials_at_once(cfg)
     out.mkdir(parents=True, exist_ok=True)
     parent = _parent_run(cfg, out, resume)
-    trainable = tune.with_resources(
-        tune.with_parameters(
-            run_trial,
-            job=to_dict(cfg),
-            datasets=shard_datasets(splits),
-            parent=parent,
-            uri=tracking_uri(cfg.tracking) if parent else None,
-        ),
-        # The trial's own process only drives its Ray Train run, so it asks for no CPU: with even 0.01 CPU, two
-        # one-CPU trials would not fit two cores. Tune refuses an empty request, hence a memory request instead.
-        {"cpu": 0, "memory": TRIAL_DRIVER_MEMORY},
-    )
+    uri = tracking_uri(cfg.tracking) if parent else None
+    callbacks = [_release_stopped_callback(out)]
+    group_actors = None
+    if cfg.tune.trials_per_group > 1:
+        group_count, at_once = groups.plan(cfg, at_once)
+        group_actors = groups.start(cfg, splits, group_count)
+        callbacks.append(groups.leave_callback(cfg))
+        trainable = tune.with_parameters(
+            groups.run_member, job=to_dict(cfg), parent=parent, uri=uri, broker=group_actors[0], runs=group_actors[1]
+        )
+        layout = f", {group_count} group(s) of up to {cfg.tune.trials_per_group} trials sharing a base"
+    else:
+        trainable = tune.with_parameters(
+            run_trial, job=to_dict(cfg), datasets=shard_datasets(splits), parent=parent, uri=uri
+        )
+        layout = ""
+    # The trial's own process only drives its Ray Train run (or its group's member), so it asks for no CPU: with
+    # even 0.01 CPU, two one-CPU trials would not fit two cores. Tune refuses an empty request, hence memory.
+    trainable = tune.with_resources(trainable, {"cpu": 0, "memory": TRIAL_DRIVER_MEMORY})
     log(
-        f"sweep: {cfg.tune.num_samples} trial(s), {at_once} at a time, {cfg.tune.search} search, scheduler {cfg.tune.scheduler}"
+        f"sweep: {cfg.tune.num_samples} trial(s), {at_once} at a time{layout}, {cfg.tune.search} search, "
+        f"scheduler {cfg.tune.scheduler}"
     )
     if resume:
         tuner = tune.Tuner.restore(str(state), trainable=trainable, resume_unfinished=True, resume_errored=False)
@@ -104,11 +114,13 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
                 search_alg=_searcher(cfg, at_once),
                 scheduler=_scheduler(cfg),
             ),
-            run_config=tune.RunConfig(
-                name="tune", storage_path=str(out), verbose=1, callbacks=[_release_stopped_callback(out)]
-            ),
+            run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=1, callbacks=callbacks),
         )
-    grid = tuner.fit()
+    try:
+        grid = tuner.fit()
+    finally:
+        if group_actors is not None:
+            groups.stop(*group_actors)
     rows = [_finish_trial(cfg, result) for result in grid]
     completed = [r for r in rows if r["status"] == "completed"]
     _write_table(rows, out / "results.csv")

@@ -1,0 +1,356 @@
+"""Sweeps whose trials share a frozen base: ``tune.trials_per_group: K`` trials train in one group.
+
+Three kinds of Ray processes, and why:
+
+- A **group** actor (:class:`GroupWorker`) holds one copy of the base model and the training rows, and trains its
+  members with :class:`raylora.train.group.Group`, step after step, on its main thread (torch runs slower
+  on other threads). It takes the CPUs / devices of one Ray Train worker.
+- A **broker** actor (:class:`Broker`, asyncio, no CPU) is the mailbox between the groups and the trials: it gives
+  each new trial a group with a free place, and carries each member's reports to its trial. A group asks it,
+  once a step, for the members that join and leave, and hands it the step's reports.
+- Each **trial** stays a Tune function trainable (:func:`run_member`, no CPU): it joins a group through the
+  broker, logs every report to its MLflow child run, and passes the reports that hold the sweep's metric to
+  ``tune.report``, with the member's checkpoint. Tune, ASHA and the search see them as they see any trial.
+  ``tune.report`` returns only when Tune lets the trial go on; until then the group holds that member out of
+  its steps (the others go on), so ASHA's decision comes before the member trains further. A trial that Tune
+  ends leaves its group through the sweep's callback (:func:`leave_callback`), at the group's next step.
+
+Layout per trial is the one of an ungrouped sweep: ``trials/<trial id>/ray/checkpoint_<step>`` (adapter, state,
+meta, history), so the driver finishes each trial the same way; ``group.json`` says which group trained it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from raylora.config import ConfigError, JobConfig, from_dict, to_dict
+
+# Keys a group's members must share: they shape the group's workers or its single forward pass.
+SHARED_TRAIN_KEYS = {
+    "train.num_workers": "the group's workers",
+    "train.cpus_per_worker": "the group's workers",
+    "train.comm_hook": "the group all-reduces its members' gradients in fp32",
+    "train.recompute_every": "one forward pass serves every member",
+    "train.compile": "one forward pass serves every member",
+}
+
+
+def check(cfg: JobConfig) -> None:
+    """Refuse what a grouped sweep (``tune.trials_per_group > 1``) cannot run, naming each trial value and field.
+
+    Raises:
+        ConfigError: a searched key that members must share, DoRA, a ``torch.compile`` or ``comm_hook`` job, or
+            target modules (the job's, or a searched value) that are not Linear layers of the base model.
+    """
+    k = cfg.tune.trials_per_group
+    problems: list[tuple[str, str]] = []
+    for key, why in SHARED_TRAIN_KEYS.items():
+        if key in cfg.tune.space:
+            problems.append(
+                (f"tune.space.{key}", f"members of a group share it ({why}); search it with tune.trials_per_group=1")
+            )
+    if cfg.train.comm_hook != "none":
+        problems.append(
+            ("train.comm_hook", f"must be none with tune.trials_per_group={k} ({SHARED_TRAIN_KEYS['train.comm_hook']})")
+        )
+    if cfg.train.compile:
+        problems.append(("train.compile", f"is not supported with tune.trials_per_group={k}; set it to false"))
+    for value in _values(cfg, "lora.use_dora"):
+        if value:
+            problems.append((_where(cfg, "lora.use_dora"), "a trial with lora.use_dora=true: DoRA cannot be grouped; "
+                             "set tune.trials_per_group=1 or lora.use_dora=false"))  # fmt: skip
+    problems += _check_targets(cfg)
+    if problems:
+        raise ConfigError(problems, "the grouped sweep")
+
+
+def _values(cfg: JobConfig, key: str) -> list[Any]:
+    """Every value a trial may take for ``key``: the listed values of its search entry, else the job's own."""
+    spec = cfg.tune.space.get(key)
+    if isinstance(spec, dict) and next(iter(spec)) in ("choice", "grid"):
+        return list(next(iter(spec.values())))
+    section, name = key.split(".")
+    return [getattr(getattr(cfg, section), name)]
+
+
+def _where(cfg: JobConfig, key: str) -> str:
+    return f"tune.space.{key}" if key in cfg.tune.space else key
+
+
+def _check_targets(cfg: JobConfig) -> list[tuple[str, str]]:
+    from raylora.model_files import ModelError
+    from raylora.models import model_skeleton, target_modules
+
+    try:
+        skeleton = model_skeleton(cfg.model)
+    except ModelError as e:
+        return [("model.name_or_path", str(e))]
+    problems = []
+    for value in _values(cfg, "lora.target_modules"):
+        try:
+            target_modules(skeleton, list(value))
+        except ModelError as e:
+            problems.append(
+                (_where(cfg, "lora.target_modules"), f"a trial with lora.target_modules={list(value)}: {e}")
+            )
+    return problems
+
+
+def plan(cfg: JobConfig, worker_slots: int) -> tuple[int, int]:
+    """``(groups, trials at once)``: as many groups as the cluster fits workers (at most enough for
+    ``tune.max_concurrent`` trials), K trials each."""
+    k = cfg.tune.trials_per_group
+    wanted = cfg.tune.max_concurrent or worker_slots * k
+    groups = max(1, min(worker_slots, math.ceil(wanted / k)))
+    return groups, min(wanted, groups * k)
+
+
+class Broker:
+    """The mailbox between groups and trials (an asyncio Ray actor; every method runs on its event loop).
+
+    Args:
+        groups: number of groups; per_group: places in each (``tune.trials_per_group``).
+    """
+
+    def __init__(self, groups: int, per_group: int):
+        self.per_group = per_group
+        self.places: list[set[str]] = [set() for _ in range(groups)]
+        self.joins: list[list[dict]] = [[] for _ in range(groups)]
+        self.leaves: list[set[str]] = [set() for _ in range(groups)]
+        self.wake = [asyncio.Event() for _ in range(groups)]
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.waiting: set[str] = set()
+        self.closed = False
+
+    async def join(self, trial: str, job: dict, out: str, resume_from: str | None) -> int:
+        """Place a trial in a group with a free place (waiting for one); returns the group's index."""
+        while True:
+            for index, places in enumerate(self.places):
+                if len(places) < self.per_group:
+                    places.add(trial)
+                    self.queues[trial] = asyncio.Queue()
+                    self.joins[index].append({"trial": trial, "job": job, "out": out, "resume_from": resume_from})
+                    self.wake[index].set()
+                    return index
+            await asyncio.sleep(0.1)
+
+    async def leave(self, trial: str) -> None:
+        """The trial ended (Tune stopped it, it finished or failed): its group drops it at its next step."""
+        for index, places in enumerate(self.places):
+            if trial in places:
+                places.discard(trial)
+                self.joins[index] = [j for j in self.joins[index] if j["trial"] != trial]
+                self.leaves[index].add(trial)
+                self.wake[index].set()
+
+    async def next_report(self, trial: str) -> dict:
+        """The trial's next report from its group (waits for it)."""
+        self.waiting.add(trial)
+        try:
+            return await self.queues[trial].get()
+        finally:
+            self.waiting.discard(trial)
+
+    async def exchange(self, index: int, reports: list[tuple[str, dict]], idle: bool) -> dict:
+        """A group's call between two steps: it hands its reports and gets its joins, leaves and released members.
+
+        ``ready``: members whose trial has taken every report and waits for more, i.e. Tune let it go on. An ``idle``
+        group (no member may step) waits here, up to a second, for something to change.
+        """
+        for trial, report in reports:
+            if trial in self.queues:
+                self.queues[trial].put_nowait(report)
+        if idle and not (self.joins[index] or self.leaves[index] or self.closed):
+            self.wake[index].clear()
+            await asyncio.sleep(0.02)  # let a trial that just took its report ask for the next one
+            if not self._ready(index):
+                try:
+                    await asyncio.wait_for(self.wake[index].wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+        joins, leaves = self.joins[index], self.leaves[index]
+        self.joins[index], self.leaves[index] = [], set()
+        return {"join": joins, "leave": leaves, "ready": self._ready(index), "closed": self.closed}
+
+    def _ready(self, index: int) -> set[str]:
+        return {t for t in self.places[index] if t in self.waiting and self.queues[t].empty()}
+
+    async def close(self) -> None:
+        self.closed = True
+        for event in self.wake:
+            event.set()
+
+
+class GroupWorker:
+    """One group: a Ray actor holding the base model and the rows; :meth:`run` trains until the broker closes.
+
+    Args:
+        job: the sweep's job as a dict (model, data, backend shared by every member).
+        train, evaluation: the prepared training and eval pack rows (pyarrow tables; eval may be ``None``).
+    """
+
+    def __init__(self, job: dict, train, evaluation):
+        import torch
+
+        from raylora.train.group import Group
+
+        cfg = from_dict(job)
+        torch.set_num_threads(max(1, math.ceil(cfg.train.cpus_per_worker)))
+        self.group = Group(cfg, train.to_pylist(), evaluation.to_pylist() if evaluation is not None else None)
+
+    def run(self, broker, index: int) -> int:
+        """Train members as they come and go; returns the number of steps taken."""
+        import ray
+
+        metric = self.group.cfg.tune.metric
+        held: set[str] = set()  # members whose metric report Tune has not answered yet
+        reports: list[tuple[str, dict]] = []
+        steps = 0
+        while True:
+            idle = all(name in held for name in self.group.members)
+            message = ray.get(broker.exchange.remote(index, reports, idle))
+            reports = []
+            if message["closed"]:
+                return steps
+            for trial in message["leave"]:
+                self.group.leave(trial)
+                held.discard(trial)
+            for join in message["join"]:
+                try:
+                    cfg = from_dict(join["job"])
+                    resume = Path(join["resume_from"]) if join["resume_from"] else None
+                    self.group.join(join["trial"], cfg, Path(join["out"]), resume)
+                except Exception as e:
+                    reports.append((join["trial"], {"error": f"{type(e).__name__}: {e}"}))
+            held -= message["ready"]
+            runnable = [name for name in self.group.members if name not in held]
+            if not runnable:
+                continue
+            steps += 1
+            for event in self.group.step(runnable):
+                if event.status == "diverged":
+                    reports.append((event.member, {"error": "diverged"}))
+                    self.group.leave(event.member)
+                    continue
+                if event.report is not None:
+                    report = {**event.report, "done": int(event.status == "done")}
+                    report["checkpoint"] = str(event.checkpoint) if event.checkpoint else None
+                    reports.append((event.member, report))
+                    if metric in report and event.status != "done":
+                        held.add(event.member)
+                if event.status == "done":
+                    self.group.leave(event.member)
+
+
+def start(cfg: JobConfig, splits: dict[str, Any], groups: int):
+    """The broker and ``groups`` group actors, each started on its :meth:`GroupWorker.run`; returns ``(broker, runs, actors)``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+
+    from raylora.backends import worker_plan
+
+    def table(split: str):
+        files = sorted(Path(splits[split]["shards"]).glob("*.parquet"))
+        return pa.concat_tables([pq.read_table(path) for path in files])
+
+    _, scaling, env = worker_plan(cfg.backend, 1, cfg.train.cpus_per_worker)
+    per_worker = dict(scaling.get("resources_per_worker") or {})
+    options: dict[str, Any] = {"num_cpus": per_worker.pop("CPU", cfg.train.cpus_per_worker)}
+    if scaling.get("use_gpu"):
+        options["num_gpus"] = per_worker.pop("GPU", 1)
+    if per_worker:
+        options["resources"] = per_worker
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    train_rows = ray.put(table("train"))
+    eval_rows = ray.put(table("eval")) if splits["eval"]["packs"] else None
+    broker = ray.remote(num_cpus=0)(Broker).options(name=broker_name(cfg)).remote(groups, cfg.tune.trials_per_group)
+    actor = ray.remote(**options)(GroupWorker)
+    actors = [actor.remote(to_dict(cfg), train_rows, eval_rows) for _ in range(groups)]
+    runs = [a.run.remote(broker, i) for i, a in enumerate(actors)]
+    return broker, runs, actors
+
+
+def stop(broker, runs, actors) -> None:
+    """Close the broker, let each group return, then end the actors."""
+    import ray
+
+    ray.get(broker.close.remote())
+    ray.wait(runs, num_returns=len(runs), timeout=60)
+    for a in [*actors, broker]:
+        ray.kill(a)
+
+
+def broker_name(cfg: JobConfig) -> str:
+    """The broker's Ray actor name: one per output folder, so a resumed sweep's callback finds the new broker."""
+    return f"raylora-broker:{Path(cfg.train.output_dir).resolve()}"
+
+
+def leave_callback(cfg: JobConfig):
+    """A Tune callback that takes each ended trial (stopped, finished or failed) out of its group.
+
+    Tune keeps its callbacks in the experiment state, and a resumed sweep has a new broker: the callback looks
+    the broker up by name each time.
+    """
+    from ray.tune import Callback
+
+    name = broker_name(cfg)
+
+    class LeaveGroup(Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            import ray
+
+            ray.get_actor(name).leave.remote(trial.trial_id)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self.on_trial_complete(iteration, trials, trial)
+
+    return LeaveGroup()
+
+
+def run_member(values: dict[str, Any], job: dict, parent: str | None, uri: str | None, broker, runs: list) -> None:
+    """One trial of a grouped sweep (a Tune function trainable): join a group, pass its reports on, until done.
+
+    Raises:
+        TrainingError: the member diverged, could not join (its error), or its group ended.
+    """
+    import ray
+    from ray import tune
+
+    from raylora.tracking import metric_logger
+    from raylora.train.fit import TrainingError
+    from raylora.tune.sweep import _child_run, _trial_config
+
+    trial_id = tune.get_context().get_trial_id()
+    out = Path(job["train"]["output_dir"]) / "trials" / trial_id
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _trial_config(job, values, out)
+    run_id = _child_run(cfg, out, parent, trial_id, values)
+    restored = tune.get_checkpoint()
+    resume_from = restored.path if restored else None
+    index = ray.get(broker.join.remote(trial_id, to_dict(cfg), str(out), resume_from))
+    (out / "group.json").write_text(json.dumps({"group": index, "resumed_from": resume_from}))
+    log_metrics = metric_logger(uri, run_id, 0)
+    while True:
+        pending = broker.next_report.remote(trial_id)
+        ready, _ = ray.wait([pending, runs[index]], num_returns=1)
+        if ready[0] is not pending:
+            ray.get(runs[index])
+            raise TrainingError(f"trial {trial_id} ({values}): its group {index} ended before the trial did")
+        report = ray.get(pending)
+        if "error" in report:
+            raise TrainingError(f"trial {trial_id} ({values}): {report['error']}")
+        folder = report.pop("checkpoint")
+        done = report.pop("done")
+        if log_metrics:
+            log_metrics({k: v for k, v in report.items() if k not in ("step", "resumed_from")}, report["step"])
+        if cfg.tune.metric in report:
+            checkpoint = tune.Checkpoint.from_directory(folder) if folder else None
+            tune.report({**report, "done": done}, checkpoint=checkpoint)
+        if done:
+            return
