@@ -40,6 +40,8 @@ from raylora.train.checkpoint import TrainState
 from raylora.train.lm import head_is_plain_linear
 from raylora.train.optim import adamw, build_scheduler
 
+DROPOUT_STATE = "dropout_rng.pt"  # a member checkpoint's dropout generator state, beside state.pt
+
 
 @dataclass
 class Member:
@@ -55,6 +57,7 @@ class Member:
     lr_scale: list[float]
     state: TrainState
     last_good: dict
+    dropout: torch.Generator  # the member's own dropout masks, whoever else is in the group
     resumed_from: int = 0
     bad_in_row: int = 0
     tokens_seen: int = 0
@@ -100,6 +103,7 @@ class Group:
         self.model = None  # the peft model, built when the first member joins
         self.chunked = False
         self.spans: dict[str, slice] = {}  # member -> its rows of the batch in flight, read by every LoRA layer
+        self.generators: dict[str, torch.Generator] = {}  # member -> its dropout generator
         self.members: dict[str, Member] = {}
 
     def join(self, name: str, cfg: JobConfig, out: Path | None = None, resume_from: Path | None = None) -> None:
@@ -138,22 +142,25 @@ class Group:
         scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
         scaler = torch.amp.GradScaler(self.backend.name, enabled=self.backend.needs_grad_scaler)
         state = TrainState()
+        generator = torch.Generator(self.device).manual_seed(cfg.train.seed)
         if resume_from is not None:
             ckpt.check_compatible(resume_from, cfg)
             state = ckpt.load(resume_from, self.model, optimizer, scheduler, scaler, adapter=name)
             lr_scale[0] = state.lr_scale
+            generator.set_state(torch.load(resume_from / DROPOUT_STATE))
         params = [p for _, p in named]
         snap = ckpt.snapshot(self.model, optimizer, scheduler, scaler, state, adapter=name)
         self.members[name] = Member(
-            name, cfg, out, params, optimizer, scheduler, scaler, lr_scale, state, snap, resumed_from=state.step
+            name, cfg, out, params, optimizer, scheduler, scaler, lr_scale, state, snap, generator, state.step
         )
+        self.generators[name] = generator
         self._trainable()
 
     def leave(self, name: str) -> None:
         """Remove a member and its adapter (its saved checkpoints stay); the others are untouched."""
         if name not in self.members:
             return
-        del self.members[name]
+        del self.members[name], self.generators[name]
         self.model.delete_adapter(name)
         self._trainable()
 
@@ -229,6 +236,7 @@ class Group:
         partial.mkdir(parents=True)
         self.save_adapter(m.name, partial / "adapter")
         ckpt.save_state(partial, m.optimizer, m.scheduler, m.scaler, m.state, m.cfg)
+        torch.save(m.dropout.get_state(), partial / DROPOUT_STATE)
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
         for old in sorted(root.glob("checkpoint_*"))[: -m.cfg.train.keep_checkpoints]:
@@ -398,6 +406,7 @@ class Group:
         for layer in self.model.modules():
             if isinstance(layer, LoraLinear):
                 layer._raylora_spans = self.spans
+                layer._raylora_generators = self.generators
                 layer.forward = _grouped_forward.__get__(layer)
         self.model.train()
 
@@ -411,6 +420,8 @@ class Group:
 def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``base(x)`` over all rows, plus each member's ``B(A(dropout(x))) * scaling`` on its own rows (peft's order).
 
+    Dropout draws from the member's own generator, so its masks do not depend on the other members.
+
     ``x``: (rows, tokens, in_features), rows stacked member after member as ``self._raylora_spans`` says.
     """
     result = self.base_layer(x, *args, **kwargs)
@@ -420,7 +431,11 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if name in self.lora_A:
             a, b = self.lora_A[name].weight, self.lora_B[name].weight
             rows = x[span] if torch.is_autocast_enabled(x.device.type) else x[span].to(a.dtype)
-            lora = F.linear(F.linear(self.lora_dropout[name](rows), a), b) * self.scaling[name]
+            p = getattr(self.lora_dropout[name], "p", 0.0)
+            if self.training and p > 0:
+                keep = torch.empty_like(rows).bernoulli_(1 - p, generator=self._raylora_generators[name])
+                rows = rows * keep / (1 - p)
+            lora = F.linear(F.linear(rows, a), b) * self.scaling[name]
             part = (part + lora).to(result.dtype)
         pieces.append(part)
     if not pieces:

@@ -36,11 +36,12 @@ MEMBERS = {
 }  # fmt: skip
 
 
-def _cfg(name: str | None = None, **train):
+def _cfg(name: str | None = None, lora_dropout: float = 0.0, **train):
     job = {k: dict(v) for k, v in BASE.items()}
     for section, values in MEMBERS.get(name, {}).items():
         job[section] = {**job[section], **values}
     job["train"] = {**job["train"], **train}
+    job["lora"]["dropout"] = lora_dropout
     return from_dict(job)
 
 
@@ -134,6 +135,17 @@ def test_a_member_that_leaves_leaves_the_others_bit_identical(grouped):
         assert all(torch.equal(theirs[k], ours[k]) for k in theirs), name
 
 
+def test_dropout_masks_are_each_members_own():
+    """With dropout, a member alone and the same member beside another draw the same masks: same numbers."""
+    alone, pair = Group(_cfg(), _rows(), None), Group(_cfg(), _rows(), None)
+    alone.join("ma", _cfg("ma", lora_dropout=0.2))
+    for name in ("mb", "ma"):
+        pair.join(name, _cfg(name, lora_dropout=0.2))
+    _run(alone, 2), _run(pair, 2)
+    ours, theirs = _weights(alone.model, "ma"), _weights(pair.model, "ma")
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_a_member_joining_mid_run_starts_at_its_own_step_zero():
     group = Group(_cfg(), _rows(), None)
     group.join("ma", _cfg("ma", log_every=1))
@@ -160,7 +172,7 @@ def test_each_member_saves_a_plain_peft_adapter(grouped, tmp_path):
 
 
 def test_a_member_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
-    cfg = _cfg("ma", checkpoint_every=2)
+    cfg = _cfg("ma", lora_dropout=0.1, checkpoint_every=2)
     whole = Group(_cfg(), _rows(), None)
     whole.join("ma", cfg, out=tmp_path / "whole")
     events = [e for _ in range(4) for e in whole.step()]
