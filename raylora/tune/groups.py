@@ -53,6 +53,9 @@ def check(cfg: JobConfig) -> None:
             problems.append(
                 (f"tune.space.{key}", f"members of a group share it ({why}); search it with tune.trials_per_group=1")
             )
+    if cfg.train.num_workers > 1:
+        problems.append(("train.num_workers", f"a group runs on one worker for now; set train.num_workers=1 with "
+                         f"tune.trials_per_group={k}, or tune.trials_per_group=1 for trials on several workers"))  # fmt: skip
     if cfg.train.comm_hook != "none":
         problems.append(
             ("train.comm_hook", f"must be none with tune.trials_per_group={k} ({SHARED_TRAIN_KEYS['train.comm_hook']})")

@@ -56,7 +56,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     """
     from ray import tune
 
-    space.check(cfg)
+    _check(cfg)
     out = Path(cfg.train.output_dir).resolve()
     state = out / "tune"
     if resume and not state.exists():
@@ -71,8 +71,6 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             ],
             "the sweep",
         )
-    if cfg.tune.trials_per_group > 1:
-        groups.check(cfg)
     splits = prepare_checked(cfg, log)
     ensure_ray()
     at_once = trials_at_once(cfg)
@@ -149,6 +147,18 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
         "parent_run_id": parent,
         "registered": registered,
     }  # fmt: skip
+
+
+def _check(cfg: JobConfig) -> None:
+    """The search space's and, for a grouped sweep, the groups' problems, all in one :class:`ConfigError`."""
+    problems = []
+    for check in [space.check] + ([groups.check] if cfg.tune.trials_per_group > 1 else []):
+        try:
+            check(cfg)
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(problems, "the sweep")
 
 
 def trials_at_once(cfg: JobConfig) -> int:

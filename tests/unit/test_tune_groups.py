@@ -1,0 +1,67 @@
+"""A grouped sweep (tune.trials_per_group > 1) refuses what its members cannot share, before anything starts."""
+
+from pathlib import Path
+
+import pytest
+
+from raylora.config import ConfigError, load_config
+from raylora.tune import groups, space
+from raylora.tune.sweep import sweep
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_sweep_cpu.yaml"
+
+
+def problems(*overrides: str) -> dict[str, str]:
+    cfg = load_config(CONFIG, ["tune.trials_per_group=4", *overrides])
+    with pytest.raises(ConfigError) as e:
+        space.check(cfg)
+        groups.check(cfg)
+    return dict(e.value.problems)
+
+
+def test_the_shipped_tiny_sweep_groups():
+    cfg = load_config(CONFIG, ["tune.trials_per_group=4"])
+    space.check(cfg)
+    groups.check(cfg)
+    assert groups.plan(cfg, worker_slots=2) == (2, 8)
+    assert groups.plan(load_config(CONFIG, ["tune.trials_per_group=4", "tune.max_concurrent=3"]), 2) == (1, 3)
+
+
+def test_fewer_than_one_trial_per_group():
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, ["tune.trials_per_group=0"])
+    assert "tune.trials_per_group" in dict(e.value.problems)
+
+
+def test_target_modules_the_base_lacks_name_the_trial_value():
+    found = problems("tune.space={lora.target_modules: {choice: [[attention], [q_proj, wq], [mlp]]}}")
+    message = found["tune.space.lora.target_modules"]
+    assert "a trial with lora.target_modules=['q_proj', 'wq']" in message and "wq match no Linear layer" in message
+    assert "attention" not in message.split(":")[1]  # the valid values are not named
+    assert "lora.target_modules" in problems("lora.target_modules=[wq]")
+
+
+def test_members_must_share_the_model_the_data_and_the_workers():
+    found = problems(
+        "tune.space={model.name_or_path: {choice: [tiny-llama, tiny-qwen2]}, data.cutoff_len: {choice: [64, 128]},"
+        " train.cpus_per_worker: {choice: [1, 2]}, lora.use_dora: {choice: [true, false]}}"
+    )
+    assert "only lora.* and train.* keys" in found["tune.space.model.name_or_path"]
+    assert "only lora.* and train.* keys" in found["tune.space.data.cutoff_len"]
+    cfg = load_config(CONFIG, ["tune.trials_per_group=4", "train.num_workers=2", "train.compile=true",
+                               "tune.space={train.cpus_per_worker: {choice: [1, 2]}, lora.use_dora: {choice: [true, false]}}"])  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        groups.check(cfg)
+    grouped = dict(e.value.problems)
+    assert "members of a group share it" in grouped["tune.space.train.cpus_per_worker"]
+    assert "lora.use_dora=true" in grouped["tune.space.lora.use_dora"]
+    assert "one worker" in grouped["train.num_workers"] and "train.compile" in grouped
+
+
+def test_the_sweep_lists_the_space_and_the_group_problems_together(tmp_path):
+    cfg = load_config(CONFIG, ["tune.trials_per_group=2", "lora.target_modules=[wq]", f"train.output_dir={tmp_path}",
+                               "tune.space={train.lr: {grid: [0.1]}, lora.rnak: {choice: [4]}}"])  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        sweep(cfg)
+    assert {"tune.space.lora.rnak", "lora.target_modules"} <= dict(e.value.problems).keys()
+    assert not (tmp_path / "tune").exists()
