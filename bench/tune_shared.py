@@ -1,0 +1,104 @@
+"""Shared-base sweep benchmark: the same 8-trial grid and budget, tune.trials_per_group 1 against K, back to back.
+
+Baseline: trials_per_group=1, today's sweep: each trial is its own Ray Train run (its own processes, its own copy of
+the base model), two one-CPU trials at a time on a 2-core machine. Ours: trials_per_group=K (default 4): two
+one-CPU groups, each training K trials at once on one copy of the base. Both search lora.rank 4 / 16 x train.lr
+3e-2 / 1e-2 / 1e-3 / 1e-4 on the tiny model with every trial run to train.max_steps (tune.scheduler=none, so both
+do the same work), in one Ray session after a warm-up sweep.
+
+Prints, for each: the sweep's wall time, the peak of the summed proportional set size (PSS: shared pages split
+between the processes that map them) of the driver and every process under it (Ray's own, the trials', the
+workers', the groups'), sampled every 0.5 s, and the best trial's config and eval loss; then the ratios.
+
+    .venv/bin/python bench/tune_shared.py [--steps 16] [--k 4] [--model tiny-llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+SPACE = "tune.space={lora.rank: {grid: [4, 16]}, train.lr: {grid: [3.0e-2, 1.0e-2, 1.0e-3, 1.0e-4]}}"
+
+
+class PeakMemory:
+    """The largest summed PSS of this process and all its descendants, sampled on a thread."""
+
+    def __init__(self, every: float = 0.5):
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(self.every):
+            total = 0
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    total += proc.memory_full_info().pss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            self.peak = max(self.peak, total)
+
+
+def run(tmp: Path, name: str, k: int, steps: int, model: str) -> dict:
+    from raylora.config import load_config
+    from raylora.tune.sweep import sweep
+
+    cfg = load_config(
+        ROOT / "configs" / "tiny_sweep_cpu.yaml",
+        [
+            SPACE, "tune.search=grid", "tune.num_samples=1", "tune.scheduler=none", f"train.max_steps={steps}",
+            f"tune.trials_per_group={k}", f"model.name_or_path={model}",
+            f"data.sources=[{{path: {ROOT / 'data' / 'raylora_identity.jsonl'}}}]", f"data.output_dir={tmp}/data-{model}",
+            f"train.output_dir={tmp}/{name}", "tracking.enabled=false",
+        ],
+    )  # fmt: skip
+    started = time.perf_counter()
+    with PeakMemory() as memory:
+        result = sweep(cfg, log=lambda s: None)
+    return {"seconds": time.perf_counter() - started, "peak_gb": memory.peak / 2**30, "best": result["best"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--k", type=int, default=4, help="trials per group of the shared-base sweep")
+    parser.add_argument("--model", default="tiny-llama", help="e.g. smollm2-135m-instruct (needs its files cached)")
+    args = parser.parse_args()
+    from raylora.cluster import ensure_ray
+
+    ensure_ray()
+    with tempfile.TemporaryDirectory() as tmp:
+        run(Path(tmp), "warm-up", 1, 2, args.model)  # data prepared, Ray's worker processes and imports cached
+        alone = run(Path(tmp), "alone", 1, args.steps, args.model)
+        shared = run(Path(tmp), "shared", args.k, args.steps, args.model)
+    print(f"{args.model}, 8 trials (rank 4/16 x lr 3e-2/1e-2/1e-3/1e-4), {args.steps} steps each, no scheduler, "
+          f"two one-CPU workers or groups at a time, {os.cpu_count()} cores")  # fmt: skip
+    for name, r in (("trials_per_group=1", alone), (f"trials_per_group={args.k}", shared)):
+        best = ", ".join(f"{key}={value}" for key, value in r["best"]["config"].items())
+        print(f"{name:19s} {r['seconds']:6.1f} s  peak memory {r['peak_gb']:5.2f} GB  "
+              f"best eval_loss {r['best']['metric']:.4f} ({best})")  # fmt: skip
+    print(f"wall time ratio (1 / {args.k}): {alone['seconds'] / shared['seconds']:.2f}x faster; peak memory ratio "
+          f"({args.k} / 1): {shared['peak_gb'] / alone['peak_gb']:.2f}x; best eval_loss difference "
+          f"{shared['best']['metric'] - alone['best']['metric']:+.4f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

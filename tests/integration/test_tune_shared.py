@@ -1,0 +1,63 @@
+"""A grouped sweep (tune.trials_per_group: 2): four Tune trials in two groups on a tiny Llama, with ASHA and MLflow.
+
+Each trial is still a Tune trial (its row, its child run, its checkpoints and adapter); two share each group's base.
+"""
+
+import json
+from pathlib import Path
+
+import mlflow
+import pytest
+from peft import PeftModel
+
+from raylora.config import load_config
+from raylora.models import tiny_model
+from raylora.tune.sweep import sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+GRID = "tune.space={train.lr: {grid: [0.03, 0.01, 1.0e-6, 1.0e-7]}, lora.rank: {grid: [4]}}"
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, ray_session):
+    tmp = tmp_path_factory.mktemp("shared")
+    cfg = load_config(
+        ROOT / "configs/tiny_sweep_cpu.yaml",
+        [f"train.output_dir={tmp}/sweep", f"data.output_dir={tmp}/data", "tracking.enabled=true",
+         f"tracking.uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=shared", GRID, "tune.search=grid",
+         "tune.num_samples=1", "tune.trials_per_group=2"],
+    )  # fmt: skip
+    return tmp, sweep(cfg, log=lambda s: None)
+
+
+def test_trials_share_groups_and_asha_stops_the_slow_ones(swept):
+    tmp, result = swept
+    statuses = {r["train.lr"]: r["status"] for r in result["trials"]}
+    assert statuses[0.03] == "completed" and "stopped early" in (statuses[1e-6], statuses[1e-7]), statuses
+    assert all(r["steps"] < 8 for r in result["trials"] if r["status"] == "stopped early")
+    placed = [json.loads((Path(r["dir"]) / "group.json").read_text())["group"] for r in result["trials"]]
+    # two groups of two places on two CPUs; a trial that starts late takes the place of one ASHA stopped
+    assert set(placed) <= {0, 1} and max(placed.count(0), placed.count(1)) >= 2
+    assert not list((tmp / "sweep" / "trials").glob("*/workers"))  # no Ray Train run of its own
+    best = Path(result["best"]["adapter"])
+    assert result["best"]["config"]["train.lr"] in (0.03, 0.01)
+    adapter = PeftModel.from_pretrained(tiny_model("llama"), best)
+    assert adapter.peft_config["default"].r == 4
+    assert any(p.abs().sum() > 0 for n, p in adapter.named_parameters() if "lora_B" in n)
+    history = json.loads(
+        (Path(result["best"]["adapter"]).parents[1] / "trials" / result["best"]["trial"] / "history.json").read_text()
+    )
+    assert [h["step"] for h in history if "eval_loss" in h] == [2, 4, 6, 8]
+
+
+def test_each_trial_has_its_mlflow_child_run(swept):
+    tmp, result = swept
+    client = mlflow.MlflowClient(f"sqlite:///{tmp}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("shared").experiment_id])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == result["parent_run_id"]]
+    assert len(runs) == 5 and len(children) == 4
+    by_status = {r.data.tags["raylora.trial_status"]: r.info.status for r in children}
+    assert by_status["completed"] == "FINISHED" and by_status["stopped early"] == "KILLED"
+    for child in children:
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "loss")]
+        assert steps == list(range(2, 2 * len(steps) + 1, 2)) and "eval_loss" in child.data.metrics
