@@ -87,13 +87,22 @@ class Group:
         rows: this worker's training pack rows (``input_ids``, ``labels``, ``position_ids``, ``seq_lens``,
             ``num_tokens``), in the order every member reads them.
         eval_rows: the evaluation pack rows (every worker reads all of them), or ``None``.
-        rank, world: this worker's place among the group's workers (torch.distributed started when world > 1).
+        rank, world, local_rank: this worker's place among the group's workers (torch.distributed started when
+            world > 1) and on its node (which device it uses).
     """
 
-    def __init__(self, cfg: JobConfig, rows: list[dict], eval_rows: list[dict] | None, rank: int = 0, world: int = 1):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        rows: list[dict],
+        eval_rows: list[dict] | None,
+        rank: int = 0,
+        world: int = 1,
+        local_rank: int = 0,
+    ):
         self.cfg = cfg
         self.backend = resolve_backend(cfg.backend)
-        self.device = self.backend.torch_device(0 if world == 1 else rank % max(1, torch.cuda.device_count()))
+        self.device = self.backend.torch_device(local_rank)
         self.rows, self.eval_rows = rows, eval_rows or []
         self.rank, self.world = rank, world
         self.base, tokenizer = load_model(cfg.model)

@@ -6,10 +6,12 @@ relative on every loss and 1e-5 on every adapter weight (the fused path orders i
 that join and leave change nothing in the others: that is checked bit for bit.
 """
 
+import multiprocessing
 import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from peft import PeftModel
 
 from raylora.backends import resolve_backend
@@ -202,3 +204,39 @@ def test_a_diverging_member_reports_it_and_the_others_go_on():
     assert statuses[0]["bad"] == "running" and statuses[1]["bad"] == "diverged"
     assert group.members["bad"].lr_scale[0] == 0.5 and group.members["bad"].state.step == 0
     assert statuses[1]["ma"] == "running" and group.members["ma"].state.step == 2
+
+
+def _ddp_member(rank: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    rows = _rows()
+    group = Group(_cfg(), rows[6 * rank : 6 * rank + 6], None, rank=rank, world=2)
+    for name in ("ma", "mb"):
+        group.join(name, _cfg(name, log_every=1))
+    losses = _run(group, 3)
+    if rank == 0:
+        torch.save({"losses": losses, **{n: _weights(group.model, n) for n in ("ma", "mb")}}, f"{folder}/result.pt")
+    dist.destroy_process_group()
+
+
+def test_two_workers_all_reduce_each_members_gradients(tmp_path):
+    """Two gloo workers, each reading its half of the rows, train each member as one worker reading both halves'
+    micro-batches side by side at twice the batch size (loss rel 1e-5, weights 1e-5)."""
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_ddp_member, args=(r, str(tmp_path))) for r in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=300)
+    assert [w.exitcode for w in workers] == [0, 0]
+    pair = torch.load(tmp_path / "result.pt")
+    rows = _rows()
+    side_by_side = [row for i in range(3) for row in rows[2 * i : 2 * i + 2] + rows[6 + 2 * i : 8 + 2 * i]]
+    one = Group(_cfg(), side_by_side, None)
+    for name in ("ma", "mb"):
+        one.join(name, _cfg(name, log_every=1, batch_size=4))
+    losses = _run(one, 3)
+    for name in ("ma", "mb"):
+        assert pair["losses"][name] == pytest.approx(losses[name], rel=1e-5)
+        for key, value in _weights(one.model, name).items():
+            torch.testing.assert_close(pair[name][key], value, atol=1e-5, rtol=1e-5, msg=f"{name} {key}")
