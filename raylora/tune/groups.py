@@ -53,9 +53,6 @@ def check(cfg: JobConfig) -> None:
             problems.append(
                 (f"tune.space.{key}", f"members of a group share it ({why}); search it with tune.trials_per_group=1")
             )
-    if cfg.train.num_workers > 1:
-        problems.append(("train.num_workers", f"a group runs on one worker for now; set train.num_workers=1 with "
-                         f"tune.trials_per_group={k}, or tune.trials_per_group=1 for trials on several workers"))  # fmt: skip
     if cfg.train.comm_hook != "none":
         problems.append(
             ("train.comm_hook", f"must be none with tune.trials_per_group={k} ({SHARED_TRAIN_KEYS['train.comm_hook']})")
@@ -189,55 +186,78 @@ class Broker:
 
 
 class GroupWorker:
-    """One group: a Ray actor holding the base model and the rows; :meth:`run` trains until the broker closes.
+    """One worker of a group: a Ray actor holding the base model and its share of the rows; :meth:`run` trains until
+    the broker closes. With ``train.num_workers`` above 1, the group's workers start torch.distributed on a file
+    store, each reads its equal part of the training rows (as Ray Train splits them), and rank 0 alone talks to the
+    broker and tells the others what to do each step.
 
     Args:
         job: the sweep's job as a dict (model, data, backend shared by every member).
         train, evaluation: the prepared training and eval pack rows (pyarrow tables; eval may be ``None``).
+        index, rank, world, store, dist_backend: the group's index, this worker's rank, the group's worker count,
+            the store file (``<output_dir>/groups/group<index>.store``; each worker writes
+            ``group<index>.rank<rank>.json`` beside it: host, pid, device, rows), the torch.distributed backend.
     """
 
-    def __init__(self, job: dict, train, evaluation):
+    def __init__(self, job: dict, train, evaluation, index: int, rank: int, world: int, store: str, dist_backend: str):
+        import os
+        import socket
+
         import torch
 
         from raylora.train.group import Group
 
         cfg = from_dict(job)
         torch.set_num_threads(max(1, math.ceil(cfg.train.cpus_per_worker)))
-        self.group = Group(cfg, train.to_pylist(), evaluation.to_pylist() if evaluation is not None else None)
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group(dist_backend, init_method=f"file://{store}", rank=rank, world_size=world)
+        rows = train.to_pylist()
+        share = len(rows) // world
+        evaluation = evaluation.to_pylist() if evaluation is not None else None
+        self.group = Group(cfg, rows[rank * share : (rank + 1) * share], evaluation, rank=rank, world=world)
+        info = {"group": index, "rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(),
+                "device": str(self.group.device), "rows": share}  # fmt: skip
+        (Path(store).parent / f"group{index}.rank{rank}.json").write_text(json.dumps(info))
 
     def run(self, broker, index: int) -> int:
         """Train members as they come and go; returns the number of steps taken."""
         import ray
 
-        metric = self.group.cfg.tune.metric
-        held: set[str] = set()  # members whose metric report Tune has not answered yet
+        group = self.group
+        metric = group.cfg.tune.metric
+        held: set[str] = set()  # members whose metric report Tune has not answered yet (rank 0 keeps it)
         reports: list[tuple[str, dict]] = []
         steps = 0
         while True:
-            idle = all(name in held for name in self.group.members)
-            message = ray.get(broker.exchange.remote(index, reports, idle))
-            reports = []
-            if message["closed"]:
+            plan = None
+            if group.rank == 0:
+                idle = all(name in held for name in group.members)
+                plan = ray.get(broker.exchange.remote(index, reports, idle))
+                reports = []
+                held = (held - plan["leave"]) - plan["ready"]
+                plan["held"] = held
+            plan = self._shared(plan)
+            if plan["closed"]:
                 return steps
-            for trial in message["leave"]:
-                self.group.leave(trial)
-                held.discard(trial)
-            for join in message["join"]:
+            for trial in plan["leave"]:
+                group.leave(trial)
+            for join in plan["join"]:
                 try:
                     cfg = from_dict(join["job"])
                     resume = Path(join["resume_from"]) if join["resume_from"] else None
-                    self.group.join(join["trial"], cfg, Path(join["out"]), resume)
+                    group.join(join["trial"], cfg, Path(join["out"]), resume)
                 except Exception as e:
                     reports.append((join["trial"], {"error": f"{type(e).__name__}: {e}"}))
-            held -= message["ready"]
-            runnable = [name for name in self.group.members if name not in held]
+            runnable = [name for name in group.members if name not in plan["held"]]
             if not runnable:
                 continue
             steps += 1
-            for event in self.group.step(runnable):
+            for event in group.step(runnable):
                 if event.status == "diverged":
                     reports.append((event.member, {"error": "diverged"}))
-                    self.group.leave(event.member)
+                    group.leave(event.member)
                     continue
                 if event.report is not None:
                     report = {**event.report, "done": int(event.status == "done")}
@@ -246,11 +266,22 @@ class GroupWorker:
                     if metric in report and event.status != "done":
                         held.add(event.member)
                 if event.status == "done":
-                    self.group.leave(event.member)
+                    group.leave(event.member)
+
+    def _shared(self, plan: dict | None) -> dict:
+        """Rank 0's plan for this step, on every worker of the group (every worker holds the same members)."""
+        if self.group.world == 1:
+            return plan
+        import torch.distributed as dist
+
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
 
 def start(cfg: JobConfig, splits: dict[str, Any], groups: int):
-    """The broker and ``groups`` group actors, each started on its :meth:`GroupWorker.run`; returns ``(broker, runs, actors)``."""
+    """The broker and ``groups`` groups of ``train.num_workers`` worker actors, each started on
+    :meth:`GroupWorker.run`; returns ``(broker, runs, actors)``, ``runs[g]`` the run calls of group g's workers."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import ray
@@ -261,7 +292,8 @@ def start(cfg: JobConfig, splits: dict[str, Any], groups: int):
         files = sorted(Path(splits[split]["shards"]).glob("*.parquet"))
         return pa.concat_tables([pq.read_table(path) for path in files])
 
-    _, scaling, env = worker_plan(cfg.backend, 1, cfg.train.cpus_per_worker)
+    world = cfg.train.num_workers
+    dist_backend, scaling, env = worker_plan(cfg.backend, world, cfg.train.cpus_per_worker)
     per_worker = dict(scaling.get("resources_per_worker") or {})
     options: dict[str, Any] = {"num_cpus": per_worker.pop("CPU", cfg.train.cpus_per_worker)}
     if scaling.get("use_gpu"):
@@ -273,9 +305,19 @@ def start(cfg: JobConfig, splits: dict[str, Any], groups: int):
     train_rows = ray.put(table("train"))
     eval_rows = ray.put(table("eval")) if splits["eval"]["packs"] else None
     broker = ray.remote(num_cpus=0)(Broker).options(name=broker_name(cfg)).remote(groups, cfg.tune.trials_per_group)
+    stores = Path(cfg.train.output_dir).resolve() / "groups"
+    stores.mkdir(parents=True, exist_ok=True)
     actor = ray.remote(**options)(GroupWorker)
-    actors = [actor.remote(to_dict(cfg), train_rows, eval_rows) for _ in range(groups)]
-    runs = [a.run.remote(broker, i) for i, a in enumerate(actors)]
+    actors, runs = [], []
+    for index in range(groups):
+        store = stores / f"group{index}.store"
+        store.unlink(missing_ok=True)  # torch.distributed's file store must start empty
+        workers = [
+            actor.remote(to_dict(cfg), train_rows, eval_rows, index, rank, world, str(store), dist_backend)
+            for rank in range(world)
+        ]
+        actors += workers
+        runs.append([w.run.remote(broker, index) for w in workers])
     return broker, runs, actors
 
 
@@ -284,7 +326,8 @@ def stop(broker, runs, actors) -> None:
     import ray
 
     ray.get(broker.close.remote())
-    ray.wait(runs, num_returns=len(runs), timeout=60)
+    every = [ref for group in runs for ref in group]
+    ray.wait(every, num_returns=len(every), timeout=60)
     for a in [*actors, broker]:
         ray.kill(a)
 
@@ -341,9 +384,9 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, uri: str |
     log_metrics = metric_logger(uri, run_id, 0)
     while True:
         pending = broker.next_report.remote(trial_id)
-        ready, _ = ray.wait([pending, runs[index]], num_returns=1)
-        if ready[0] is not pending:
-            ray.get(runs[index])
+        ready, _ = ray.wait([pending, *runs[index]], num_returns=1)
+        if pending not in ready:
+            ray.get(ready[0])
             raise TrainingError(f"trial {trial_id} ({values}): its group {index} ended before the trial did")
         report = ray.get(pending)
         if "error" in report:

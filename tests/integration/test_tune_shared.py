@@ -1,6 +1,7 @@
-"""A grouped sweep (tune.trials_per_group: 2): four Tune trials in two groups on a tiny Llama, with ASHA and MLflow.
+"""A grouped sweep: four Tune trials in one group of two gloo workers (tune.trials_per_group: 4,
+train.num_workers: 2) on a tiny Llama, with ASHA and MLflow.
 
-Each trial is still a Tune trial (its row, its child run, its checkpoints and adapter); two share each group's base.
+Each trial is still a Tune trial (its row, its child run, its checkpoints and adapter); all four share the base.
 """
 
 import json
@@ -25,7 +26,7 @@ def swept(tmp_path_factory, ray_session):
         ROOT / "configs/tiny_sweep_cpu.yaml",
         [f"train.output_dir={tmp}/sweep", f"data.output_dir={tmp}/data", "tracking.enabled=true",
          f"tracking.uri=sqlite:///{tmp}/mlflow.db", "tracking.experiment=shared", GRID, "tune.search=grid",
-         "tune.num_samples=1", "tune.trials_per_group=2"],
+         "tune.num_samples=1", "tune.trials_per_group=4", "train.num_workers=2"],
     )  # fmt: skip
     return tmp, sweep(cfg, log=lambda s: None)
 
@@ -36,9 +37,10 @@ def test_trials_share_groups_and_asha_stops_the_slow_ones(swept):
     assert statuses[0.03] == "completed" and "stopped early" in (statuses[1e-6], statuses[1e-7]), statuses
     assert all(r["steps"] < 8 for r in result["trials"] if r["status"] == "stopped early")
     placed = [json.loads((Path(r["dir"]) / "group.json").read_text())["group"] for r in result["trials"]]
-    # two groups of two places on two CPUs; a trial that starts late takes the place of one ASHA stopped
-    assert set(placed) <= {0, 1} and max(placed.count(0), placed.count(1)) >= 2
+    assert placed == [0, 0, 0, 0]  # the two CPUs hold one group of two workers
     assert not list((tmp / "sweep" / "trials").glob("*/workers"))  # no Ray Train run of its own
+    workers = [json.loads((tmp / "sweep" / "groups" / f"group0.rank{r}.json").read_text()) for r in (0, 1)]
+    assert workers[0]["pid"] != workers[1]["pid"] and workers[0]["world"] == 2
     best = Path(result["best"]["adapter"])
     assert result["best"]["config"]["train.lr"] in (0.03, 0.01)
     adapter = PeftModel.from_pretrained(tiny_model("llama"), best)
