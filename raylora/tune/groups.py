@@ -150,6 +150,9 @@ class Broker:
     async def next_report(self, trial: str) -> dict:
         """The trial's next report from its group (waits for it)."""
         self.waiting.add(trial)
+        for index, places in enumerate(self.places):
+            if trial in places:
+                self.wake[index].set()  # an idle group may be waiting for this trial to go on
         try:
             return await self.queues[trial].get()
         finally:
@@ -166,7 +169,6 @@ class Broker:
                 self.queues[trial].put_nowait(report)
         if idle and not (self.joins[index] or self.leaves[index] or self.closed):
             self.wake[index].clear()
-            await asyncio.sleep(0.02)  # let a trial that just took its report ask for the next one
             if not self._ready(index):
                 try:
                     await asyncio.wait_for(self.wake[index].wait(), timeout=1.0)
