@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+from raylora.backends import Backend, BackendError
 from raylora.comm import bytes as comm_bytes
 from raylora.config import TrainArgs
 
@@ -106,6 +107,24 @@ class CommHook:
             self.powersgd.process_group = self.group
         else:
             self.residuals = {k: v.clone() for k, v in saved["residuals"].items()}
+
+
+def check_hook(train: TrainArgs, backend: Backend) -> None:
+    """Refuse ``train.comm_hook`` where the backend's collectives cannot carry its wire dtype.
+
+    Called on the driver with the planned backend (before any worker starts) and again on each worker, which
+    knows its device (an NPU's SoC) when the driver does not.
+
+    Raises:
+        BackendError: the reason, and the hook to use instead.
+    """
+    wire = _CAST.get(train.comm_hook)
+    problem = backend.collective_problem(wire) if wire is not None else None
+    if problem:
+        raise BackendError(
+            f"train.comm_hook={train.comm_hook} cannot run on this {backend.dist_backend} backend: {problem}. "
+            "Use train.comm_hook=fp16, which sends the same bytes, or none."
+        )
 
 
 def bytes_sent() -> int:

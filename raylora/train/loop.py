@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylora.backends import Backend, resolve_backend
 from raylora.backends.base import PROFILE_STEPS
-from raylora.comm.hooks import CommHook, bytes_sent
+from raylora.comm.hooks import CommHook, bytes_sent, check_hook
 from raylora.config import TrainArgs, from_dict
 from raylora.data.collate import collate_packs
 from raylora.models import attach_lora, load_model
@@ -47,6 +47,8 @@ def train_worker(config: dict) -> dict:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     backend = resolve_backend(cfg.backend)
+    if world > 1:
+        check_hook(cfg.train, backend)  # the driver may not have seen this device (an NPU's SoC)
     device = backend.torch_device(context.get_local_rank())
     record_worker(Path(cfg.train.output_dir), rank, device)
     torch.set_num_threads(
