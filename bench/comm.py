@@ -1,11 +1,17 @@
-"""Gradient compression on 2 gloo workers: bytes per step, step time and final eval loss of every hook.
+"""Gradient compression on 2 gloo workers: bytes per step, step time and final eval loss of every hook; how much of
+the all-reduce hides behind backward for each bucket size; the planner's all-reduce term against gloo.
 
-The tiny task: a tiny Llama with rank-8 LoRA on q/k/v/o (what the tests train), 40 steps of AdamW on batches of
-4 x 64 random-token sequences drawn per rank, evaluated on 8 held-out sequences. Every hook runs the same steps
-on the same data in the same pair of processes, back to back; ``none`` (an fp32 all-reduce) is the baseline.
-Bytes are the payload each rank hands to collectives (``raylora.comm.bytes``), measured, not derived.
+The tiny task: a tiny Llama with rank-8 LoRA on q/k/v/o (what the tests train), ``--steps`` steps of AdamW on
+batches of 4 x 64 tokens drawn per rank (each sequence counts up from a random start), evaluated on 8 held-out
+sequences. Every hook runs the same steps on the same data in the same pair of processes, back to back; ``none``
+(an fp32 all-reduce) is the baseline. Bytes are the payload each rank hands to collectives over the whole run,
+warm-up steps included (``raylora.comm.bytes``: measured, not derived). Step times are medians after 3 steps; the
+overhead column is a hook's median step time minus ``none``'s.
 
-    .venv/bin/python bench/comm.py [--steps 40]
+Overlap: 2 micro-batches per step (the first under ``no_sync``), ``none`` hook, and a profiler trace of each of 5
+steps; ``raylora.comm.overlap`` reads off the share of gloo's all-reduce time that falls inside backward's compute.
+
+    .venv/bin/python bench/comm.py [--steps 150] [--lr 5e-3]
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ HOOKS = [
     {"comm_hook": "topk", "topk_fraction": 0.05},
     {"comm_hook": "topk", "topk_fraction": 0.01},
     {"comm_hook": "sign"},
+    {"comm_hook": "log3"},
 ]
+BUCKETS_MB = [25.0, 0.008, 0.002]  # one bucket for the bench's 28 KiB of LoRA gradients; about 4; about 14
 
 
 def _batch(seed: int, rows: int = 4) -> dict:
@@ -45,22 +53,34 @@ def _batch(seed: int, rows: int = 4) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _run(options: dict, steps: int, rank: int) -> dict:
+def _model():
     from peft import LoraConfig, get_peft_model
-    from torch.nn.parallel import DistributedDataParallel
 
-    from raylora.comm.hooks import CommHook, bytes_sent
-    from raylora.config import TrainArgs
     from raylora.models import tiny_model
 
     torch.manual_seed(0)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0)
-    model = get_peft_model(tiny_model("llama"), lora)
+    return get_peft_model(tiny_model("llama"), lora)
+
+
+def _ddp(model, options: dict):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from raylora.comm.hooks import CommHook
+    from raylora.config import TrainArgs
+
     train = TrainArgs(**options)
     ddp = DistributedDataParallel(model, bucket_cap_mb=train.bucket_mb)
-    hook = CommHook(train)
-    hook.register(ddp)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+    CommHook(train).register(ddp)
+    return ddp
+
+
+def _run(options: dict, steps: int, lr: float, rank: int) -> dict:
+    from raylora.comm.hooks import bytes_sent
+
+    model = _model()
+    ddp = _ddp(model, options)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     sent, times = [], []
     bytes_sent()
     for step in range(steps):
@@ -74,7 +94,38 @@ def _run(options: dict, steps: int, rank: int) -> dict:
         sent.append(bytes_sent())
     with torch.no_grad():
         eval_loss = statistics.mean(model(**_batch(10**6 + i)).loss.item() for i in range(2))
-    return {"bytes": statistics.mean(sent[3:]), "step_s": statistics.median(times[3:]), "eval_loss": eval_loss}
+    return {"bytes": sum(sent) / steps, "step_s": statistics.median(times[3:]), "eval_loss": eval_loss}
+
+
+def _overlap(bucket_mb: float, rank: int) -> dict:
+    """Median figures of 5 profiled steps of 2 micro-batches, and the median time of 10 unprofiled ones."""
+    from raylora.comm.overlap import finish_trace, start_trace
+
+    model = _model()
+    ddp = _ddp(model, {"bucket_mb": bucket_mb})
+
+    def step(k: int) -> None:
+        with ddp.no_sync():
+            ddp(**_batch(7000 * rank + 2 * k)).loss.backward()
+        ddp(**_batch(7000 * rank + 2 * k + 1)).loss.backward()
+        model.zero_grad()
+
+    for k in range(3):  # DDP settles its buckets after the first step
+        step(k)
+    traced = []
+    for k in range(5):
+        dist.barrier()
+        trace = start_trace(True)
+        step(k)
+        traced.append(finish_trace(trace))
+    times = []
+    for k in range(10):
+        dist.barrier()
+        started = time.perf_counter()
+        step(k)
+        times.append(time.perf_counter() - started)
+    figures = {key: statistics.median(t[key] for t in traced) for key in traced[0]}
+    return {**figures, "step_s": statistics.median(times)}
 
 
 SIZES = [4 * 2**10, 64 * 2**10, 1 * 2**20, 16 * 2**20]  # all-reduce payloads timed for the planner's check
@@ -95,35 +146,48 @@ def _all_reduce_times() -> list[float]:
     return times
 
 
-def _worker(rank: int, steps: int, out: str) -> None:
+def _worker(rank: int, steps: int, lr: float, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
-    results = [_run(options, steps, rank) for options in HOOKS]
-    results.append(_all_reduce_times())
+    results = {
+        "hooks": [_run(options, steps, lr, rank) for options in HOOKS],
+        "overlap": [_overlap(mb, rank) for mb in BUCKETS_MB],
+        "all_reduce": _all_reduce_times(),
+    }
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--lr", type=float, default=5e-3)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(args.steps, out), nprocs=2)
-        results = torch.load(f"{out}/rank0.pt", weights_only=False)
-    measured = results.pop()
+        mp.spawn(_worker, args=(args.steps, args.lr, out), nprocs=2)
+        ranks = [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(2)]
+    results = ranks[0]["hooks"]
     base = results[0]
-    print(f"\n2 gloo workers, tiny Llama + rank-8 LoRA, {args.steps} steps; rank 0's figures\n")
-    print("| hook | bytes sent per step | vs none | step time ms | vs none | eval loss | vs none |")
+    print(
+        f"\n2 gloo workers, tiny Llama + rank-8 LoRA, {args.steps} steps of AdamW at lr {args.lr:g}; rank 0's figures"
+    )
+    print("(bytes: mean over the whole run, warm-up included)\n")
+    print("| hook | bytes sent per step | vs none | step time ms | overhead ms | eval loss | vs none |")
     print("|---|---|---|---|---|---|---|")
     for options, r in zip(HOOKS, results, strict=True):
         name = " ".join(f"{k}={v}" for k, v in options.items())
         print(f"| {name} | {r['bytes']:,.0f} | {r['bytes'] / base['bytes']:.3f}x | {1000 * r['step_s']:.1f} | "
-              f"{r['step_s'] / base['step_s']:.2f}x | {r['eval_loss']:.4f} | "
+              f"{1000 * (r['step_s'] - base['step_s']):+.1f} | {r['eval_loss']:.4f} | "
               f"{100 * (r['eval_loss'] / base['eval_loss'] - 1):+.2f}% |")  # fmt: skip
     print("\ntarget: a hook cuts bytes by >= 90% with eval loss within 1% of none")
-    planner_check(measured)
+    print("\nall-reduce hidden behind backward (hook none, 2 micro-batches a step, median of 5 traced steps)\n")
+    print("| train.bucket_mb | all-reduces | all-reduce ms | hidden ms | hidden share (rank 0, rank 1) | step ms |")
+    print("|---|---|---|---|---|---|")
+    for mb, r0, r1 in zip(BUCKETS_MB, ranks[0]["overlap"], ranks[1]["overlap"], strict=True):
+        print(f"| {mb:g} | {r0['comm_collectives']:.0f} | {r0['comm_ms']:.2f} | {r0['comm_hidden_ms']:.2f} | "
+              f"{r0['comm_hidden_fraction']:.2f}, {r1['comm_hidden_fraction']:.2f} | {1000 * r0['step_s']:.1f} |")  # fmt: skip
+    planner_check(ranks[0]["all_reduce"])
 
 
 def planner_check(measured: list[float]) -> None:

@@ -8,7 +8,8 @@ import platform
 import socket
 from urllib.parse import urlparse
 
-from raylora.backends import BackendError, npu, resolve_backend
+from raylora.backends import BackendError, install_rows, resolve_backend
+from raylora.comm.hooks import check_hook
 from raylora.config import JobConfig
 from raylora.tracking import tracking_uri
 
@@ -30,25 +31,18 @@ def check(cfg: JobConfig) -> tuple[list[tuple[str, str]], list[str]]:
         except importlib.metadata.PackageNotFoundError:
             rows.append((dist, "MISSING"))
             problems.append(f"{dist} is not installed: pip install '{spec}' (or make install)")
-    torch_npu = _version("torch_npu")
-    rows.append(("torch_npu", torch_npu or "not installed"))
-    rows.append(("CANN", npu.cann_home() or "not found"))
+    rows += install_rows()
     try:
         backend = resolve_backend(cfg.backend)
-        rows += [
-            ("device", f"{backend.name} ({backend.detected_by})"),
-            ("dist backend", backend.dist_backend),
-            ("ray worker resources", str(backend.scaling(cfg.train.num_workers)["resources_per_worker"]
-                                         if backend.ray_resource != "GPU" else {"GPU": 1})),
-            ("autocast", str(backend.amp_dtype or "off (fp32)") + (" + grad scaler" if backend.needs_grad_scaler else "")
-                         + f"; {backend.precision_by}"),
-        ]  # fmt: skip
-        if backend.name == "npu":
-            env = {**backend.env, **{k: v for k, v in os.environ.items() if k.startswith("HCCL_")}}
-            rows += [(k, v) for k, v in sorted(env.items())]
     except BackendError as e:
         rows.append(("device", f"UNUSABLE: backend.device={cfg.backend.device}"))
         problems.append(str(e))
+    else:
+        rows += backend.describe(cfg.train.num_workers)
+        try:
+            check_hook(cfg.train, backend)
+        except BackendError as e:
+            problems.append(str(e))
     cluster, problem = ray_cluster()
     rows.append(("ray cluster", cluster))
     if problem:
@@ -86,10 +80,3 @@ def render(rows: list[tuple[str, str]], problems: list[str]) -> str:
     lines.append("")
     lines += [f"PROBLEM: {p}" for p in problems] or ["OK: this environment can run a raylora job."]
     return "\n".join(lines)
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None

@@ -11,7 +11,10 @@ from raylora.backends import cpu, cuda, npu
 from raylora.backends.base import Backend, BackendError
 from raylora.config import BackendArgs
 
-__all__ = ["Backend", "BackendError", "resolve_backend", "worker_plan", "replica_plan", "PROBE_ORDER"]
+__all__ = [
+    "Backend", "BackendError", "resolve_backend", "planned_backend", "worker_plan", "replica_plan", "install_rows",
+    "PROBE_ORDER",
+]  # fmt: skip
 
 PROBE_ORDER = (npu, cuda, cpu)
 
@@ -42,23 +45,34 @@ def resolve_backend(args: BackendArgs) -> Backend:
     return module.make(args, f"asked for: {how}")
 
 
-def _planned(args: BackendArgs) -> Backend:
-    name = resolve_backend(args).name if args.device == "auto" else args.device
-    module = {m.NAME: m for m in PROBE_ORDER}[name]
-    return Backend(name, "planned", module.DIST_BACKEND, module.RAY_RESOURCE, None, None, False)
+def planned_backend(args: BackendArgs) -> Backend:
+    """The device the driver plans for, without needing that device itself.
+
+    The driver may have no accelerator (a CPU head node of an NPU cluster), so an explicit ``backend.device`` is
+    taken at its word here and probed where the work runs; ``auto`` probes the driver. Raises :class:`BackendError`
+    as :func:`resolve_backend` does.
+    """
+    if args.device == "auto":
+        return resolve_backend(args)
+    module = {m.NAME: m for m in PROBE_ORDER}[args.device]
+    env = npu.hccl_env(args) if module is npu else {}
+    return Backend(module.NAME, "planned", module.DIST_BACKEND, module.RAY_RESOURCE, None, None, False, env)
 
 
 def replica_plan(args: BackendArgs, cpus: float) -> dict:
-    """``ray_actor_options`` for a Serve model replica; like :func:`worker_plan`, an explicit device is not probed."""
-    return _planned(args).actor_options(cpus)
+    """``ray_actor_options`` for a Serve model replica (see :func:`planned_backend`)."""
+    return planned_backend(args).actor_options(cpus)
 
 
 def worker_plan(args: BackendArgs, num_workers: int, cpus_per_worker: float) -> tuple[str, dict, dict[str, str]]:
     """What the driver asks Ray for: ``(dist backend, ScalingConfig kwargs, worker environment)``.
 
-    The driver may have no accelerator itself (a CPU head node of an NPU cluster), so an explicit
-    ``backend.device`` is taken at its word here and probed on the workers; ``auto`` probes the driver.
+    See :func:`planned_backend` for how the device is chosen.
     """
-    template = _planned(args)
-    env = npu.hccl_env(args) if template.name == "npu" else {}
-    return template.dist_backend, template.scaling(num_workers, cpus_per_worker), env
+    plan = planned_backend(args)
+    return plan.dist_backend, plan.scaling(num_workers, cpus_per_worker), plan.env
+
+
+def install_rows() -> list[tuple[str, str]]:
+    """``raylora doctor``'s rows on the device software installed here (torch_npu and CANN), device or not."""
+    return npu.install_rows()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,8 @@ class Backend:
         needs_grad_scaler: fp16 autocast needs a gradient scaler (and Adam eps ≥ 1e-6).
         env: environment variables every worker must have (HCCL settings on NPU).
         precision_by: how the autocast dtype was chosen (``auto`` states its evidence), printed and logged.
+        no_bf16_collectives: why the collectives cannot reduce bf16 (an old NCCL, an Ascend SoC without bf16);
+            empty where they can, or where the driver plans for a device it cannot see (the worker checks again).
     """
 
     name: str
@@ -48,6 +51,7 @@ class Backend:
     needs_grad_scaler: bool
     env: dict[str, str] = field(default_factory=dict)
     precision_by: str = ""
+    no_bf16_collectives: str = ""
 
     @property
     def precision(self) -> str:
@@ -61,6 +65,25 @@ class Backend:
     def ddp_device_ids(self, device: torch.device) -> list[int] | None:
         """``device_ids`` for ``DistributedDataParallel``: the worker's accelerator, none on cpu."""
         return None if self.name == "cpu" else [device.index]
+
+    def collective_problem(self, dtype: torch.dtype) -> str | None:
+        """Why this backend's collectives cannot carry ``dtype`` (a communication hook's wire type); ``None`` if they can."""
+        return self.no_bf16_collectives or None if dtype is torch.bfloat16 else None
+
+    def describe(self, num_workers: int) -> list[tuple[str, str]]:
+        """``raylora doctor``'s rows for this device: ``(item, finding)`` pairs, device settings last."""
+        resources = self.scaling(num_workers)
+        rows = [
+            ("device", f"{self.name} ({self.detected_by})"),
+            ("dist backend", self.dist_backend),
+            ("ray worker resources", str(resources.get("resources_per_worker", {self.ray_resource: 1}))),
+            ("autocast", str(self.amp_dtype or "off (fp32)") + (" + grad scaler" if self.needs_grad_scaler else "")
+                         + f"; {self.precision_by}"),
+        ]  # fmt: skip
+        if self.name == "npu":  # what HCCL will read: raylora's settings, overridden by the caller's environment
+            env = {**self.env, **{k: v for k, v in os.environ.items() if k.startswith("HCCL_")}}
+            rows += sorted(env.items())
+        return rows
 
     def scaling(self, num_workers: int, cpus_per_worker: float = 1.0) -> dict[str, Any]:
         """Keyword arguments for ``ray.train.ScalingConfig``: NPUs are a custom resource with use_gpu=False."""
@@ -78,6 +101,52 @@ class Backend:
         if self.ray_resource == "CPU":
             return {"num_cpus": cpus}
         return {"num_cpus": cpus, "resources": {self.ray_resource: 1}}
+
+    def vllm_problem(self) -> str | None:
+        """Why Ray Serve LLM's vLLM engine cannot run on this device (``None``: it can)."""
+        if self.ray_resource == "CPU":
+            return (
+                f"serve.engine=vllm needs an accelerator vLLM runs on, but the backend is {self.name}: "
+                "set backend.device to a CUDA GPU (vLLM) or an Ascend NPU (vllm-ascend), or use serve.engine=hf"
+            )
+        return None
+
+    def vllm_placement(self, replicas: int, cpus: float) -> dict[str, Any]:
+        """Ray Serve LLM's ``deployment_config`` and engine placement (``LLMConfig`` keys), one device per replica.
+
+        Ray Serve LLM schedules its own engine workers on GPUs, so a GPU goes to the engine's placement bundle.
+        It has no kind for other accelerators (Ray 2.60): an NPU goes to the replica actor itself, so Ray sets its
+        visible-devices variable there, and the ``cpu`` kind keeps the engine in the replica's processes, where
+        vllm-ascend finds that device. The first placement bundle also holds the replica actor (Ray merges them);
+        the ``CPU`` bundle is the engine's.
+        """
+        if self.ray_resource == "GPU":
+            return {
+                "deployment_config": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": cpus}},
+                "placement_group_config": {"bundles": [{"GPU": 1}]},
+            }
+        return {
+            "deployment_config": {
+                "num_replicas": replicas,
+                "ray_actor_options": {"num_cpus": cpus, "resources": {self.ray_resource: 1}},
+            },
+            "accelerator_config": {"kind": "cpu"},
+            "placement_group_config": {"bundles": [{"CPU": 1}]},
+        }
+
+    def vllm_install_hint(self, ray_version: str, vllm_version: str) -> str:
+        """How to install the vLLM that ``ray[llm]`` pins (``vllm_version``) for this device."""
+        if self.name == "npu":
+            return (
+                "On Ascend install vLLM through vllm-ascend (its installation guide or container image: vLLM built "
+                "with VLLM_TARGET_DEVICE=empty, plus vllm-ascend for your CANN and torch_npu), choosing the release "
+                f"for vllm {vllm_version}, the version ray[llm] pins; then install ray[llm]'s other requirements "
+                'without letting pip replace that vLLM (a plain `pip install "ray[llm]"` would swap in the CUDA build).'
+            )
+        return (
+            f'Install them with `pip install "ray[llm]=={ray_version}"`, which brings the '
+            f"vLLM {vllm_version} this Ray is written against."
+        )
 
     def synchronize(self) -> None:
         """Wait for queued device work, so timings are honest."""

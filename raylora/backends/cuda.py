@@ -24,6 +24,9 @@ def make(args: BackendArgs, detected_by: str) -> Backend:
     auto = (torch.bfloat16, False) if bf16 else (torch.float16, True)
     dtype, scaler = amp_from_precision(args.precision, auto)
     how = precision_note(args.precision, auto, f"torch.cuda.is_bf16_supported() is {bf16}")
+    nccl = torch.cuda.nccl.version()
+    no_bf16 = f"NCCL {'.'.join(map(str, nccl))} reduces no bf16 (2.10 and later do)" if nccl < (2, 10) else ""
     return Backend(
-        NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "CUDA_VISIBLE_DEVICES", dtype, scaler, precision_by=how
-    )
+        NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "CUDA_VISIBLE_DEVICES", dtype, scaler,
+        precision_by=how, no_bf16_collectives=no_bf16,
+    )  # fmt: skip

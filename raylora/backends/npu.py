@@ -6,6 +6,7 @@ torch_npu is imported only inside :func:`probe`: installed without CANN it break
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 from pathlib import Path
@@ -74,6 +75,15 @@ def soc_name() -> str:
     return torch.npu.get_device_name(0)
 
 
+def install_rows() -> list[tuple[str, str]]:
+    """``raylora doctor``'s rows on the Ascend software found here, whether or not an NPU is in use."""
+    try:
+        version = importlib.metadata.version("torch_npu")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    return [("torch_npu", version), ("CANN", cann_home() or "not found")]
+
+
 def cann_home() -> str | None:
     """The CANN toolkit folder in effect, if any."""
     for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
@@ -90,6 +100,8 @@ def make(args: BackendArgs, detected_by: str) -> Backend:
         raise BackendError(f"{soc} has no bf16 support; use backend.precision=fp16 (with a grad scaler) or auto")
     dtype, scaler = amp_from_precision(args.precision, auto)
     how = precision_note(args.precision, auto, f"{soc} {'has' if auto[0] is torch.bfloat16 else 'has no'} bf16 units")
+    no_bf16 = "" if auto[0] is torch.bfloat16 else f"HCCL reduces bf16 only on Atlas A2 and later, and this is {soc}"
     return Backend(
-        NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "ASCEND_RT_VISIBLE_DEVICES", dtype, scaler, hccl_env(args), how
-    )
+        NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "ASCEND_RT_VISIBLE_DEVICES", dtype, scaler, hccl_env(args), how,
+        no_bf16,
+    )  # fmt: skip

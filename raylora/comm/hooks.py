@@ -11,6 +11,15 @@
 ``sign``      one bit per entry, the sign, and one scale per tensor (its mean absolute value), with error feedback:
               about 1/32 of the bytes, and every entry moves every step, which suits Adam better than top-k's
               sparse updates (bench/comm.py measures both)
+``log3``      three bits per entry: 0 or a signed power of 4 (1, 1/4, 1/16) times its 128-entry block's largest
+              magnitude (one fp16 scale per block), with error feedback: 0.098 of the bytes of ``none``
+
+Why ``log3`` keeps Adam's loss where ``sign`` and ``topk`` lose it: Adam divides each entry's step by the root of
+its mean square gradient. A compressor with error feedback delivers each entry's gradient on average, but in
+quanta; when an entry's gradient is much smaller than the quantum, Adam sees rare full quanta (top-k) or a steady
+quantum-sized sign (sign) and its mean square is the quantum's, not the gradient's, so that entry's step shrinks.
+Log-spaced levels keep the quantum within 4x of each entry's own size down to 1/16 of its block's largest, and the
+zero level lets entries below that send nothing until their residual grows. bench/comm.py measures the effect.
 
 Every hook averages over ranks, as DDP does, and sends its collectives through :mod:`raylora.comm.bytes`, so
 ``bytes_sent()`` is the payload measured this step. Only ``torch.distributed`` is used: the same hooks run on
@@ -24,11 +33,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+from raylora.backends import Backend, BackendError
 from raylora.comm import bytes as comm_bytes
 from raylora.config import TrainArgs
 
-HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "sign")
+HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "sign", "log3")
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# log3's levels as a fraction of the block's largest magnitude, code 0 to 6 (code 7 is unused)
+LOG3_LEVELS = (-1.0, -1 / 4, -1 / 16, 0.0, 1 / 16, 1 / 4, 1.0)
+LOG3_BLOCK = 128
 
 comm_bytes.install(powerSGD_hook)
 _dist = comm_bytes.PROXY
@@ -48,6 +61,12 @@ class CommHook:
         self.fraction = train.topk_fraction
         self.residuals: dict[str, torch.Tensor] = {}  # topk's error feedback, per parameter name
         self.names: dict[torch.nn.Parameter, str] = {}
+        self.shapes: dict[str, torch.Size] = {}
+        # PowerSGD keys its state by bucket index, and a bucket's parameters change when DDP lays its buckets out
+        # anew (after the first step, and after a resume): which parameters each bucket's state is laid out for,
+        # and per-parameter state taken out of a layout that changed, waiting for its new bucket.
+        self.layout: dict[int, list[str]] = {}
+        self.pieces: dict[str, dict[str, torch.Tensor]] = {}
         self.powersgd = (
             powerSGD_hook.PowerSGDState(
                 process_group=group,
@@ -65,12 +84,15 @@ class CommHook:
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register this hook on ``ddp``."""
         self.names = {p: name for name, p in ddp.module.named_parameters()}
+        self.shapes = {name: p.shape for name, p in ddp.module.named_parameters()}
         if self.name == "powersgd":
-            ddp.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
+            ddp.register_comm_hook(self, _powersgd_hook)
         elif self.name == "topk":
             ddp.register_comm_hook(self, _topk_hook)
         elif self.name == "sign":
             ddp.register_comm_hook(self, _sign_hook)
+        elif self.name == "log3":
+            ddp.register_comm_hook(self, _log3_hook)
         else:
             ddp.register_comm_hook(self, _cast_hook)
 
@@ -90,22 +112,113 @@ class CommHook:
     def forget(self) -> None:
         """Drop the error feedback: after a non-finite step it holds NaN or inf, which would poison every later step."""
         self.residuals.clear()
+        self.pieces.clear()
+        self.layout.clear()
         if self.powersgd is not None:
             for memory in (self.powersgd.error_dict, self.powersgd.p_memory_dict, self.powersgd.q_memory_dict):
                 memory.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's hook state: topk residuals or PowerSGD's errors and warm-start factors."""
+        """This rank's hook state, keyed by parameter name: topk's, sign's and log3's residuals; PowerSGD's
+        settings and counters, and per parameter its error and warm-start factors."""
         if self.powersgd is not None:
-            return {"powersgd": self.powersgd.__getstate__()}
+            settings = {k: v for k, v in self.powersgd.__getstate__().items() if k not in _POWERSGD_MEMORY}
+            pieces = {n: {k: t.clone() for k, t in piece.items()} for n, piece in self._powersgd_pieces().items()}
+            return {"powersgd": settings, "pieces": pieces}
         return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self.powersgd is not None:
-            self.powersgd.__setstate__(saved["powersgd"])
-            self.powersgd.process_group = self.group
+            for slot, value in saved["powersgd"].items():
+                setattr(self.powersgd, slot, value)
+            self.forget()
+            self.pieces = {n: dict(piece) for n, piece in saved["pieces"].items()}
         else:
             self.residuals = {k: v.clone() for k, v in saved["residuals"].items()}
+
+    def powersgd_layout(self, index: int, names: list[str]) -> None:
+        """Lay PowerSGD's state for bucket ``index`` out for its parameters ``names``, in their order.
+
+        The state of this bucket's old layout, and of any bucket whose old layout holds one of ``names`` (DDP moves
+        parameters between buckets), is taken apart per parameter; this bucket's is put back together from its
+        parameters' pieces, the others' on their own next call. Only buckets not yet called this step are taken
+        apart, so no collective in flight loses its state.
+        """
+        state = self.powersgd
+        wanted = set(names)
+        for old in [j for j, held in self.layout.items() if j == index or wanted.intersection(held)]:
+            for name, piece in self._powersgd_split(old).items():
+                self.pieces.setdefault(name, {}).update(piece)
+            for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+                memory.pop(old, None)
+            del self.layout[old]
+        self.layout[index] = names
+        parts = [self.pieces.pop(n, {}) for n in names]
+        if not names or not all("error" in part for part in parts):
+            return  # PowerSGD has not run yet (warm-up), or starts afresh
+        state.error_dict[index] = torch.cat([part["error"] for part in parts])
+        by_name = dict(zip(names, parts, strict=True))
+        order = [n for n, _, _ in self._powersgd_order(names)]
+        empty = state.error_dict[index].new_empty(0)
+        state.p_memory_dict[index] = torch.cat([by_name[n]["p"] for n in order]) if order else empty
+        state.q_memory_dict[index] = torch.cat([by_name[n]["q"] for n in order]) if order else empty
+
+    def _powersgd_pieces(self) -> dict[str, dict[str, torch.Tensor]]:
+        """PowerSGD's state per parameter, from every bucket and the pieces waiting for theirs (views, not copies)."""
+        pieces = {n: dict(piece) for n, piece in self.pieces.items()}
+        for index in self.layout:
+            pieces.update(self._powersgd_split(index))
+        return pieces
+
+    def _powersgd_split(self, index: int) -> dict[str, dict[str, torch.Tensor]]:
+        """Bucket ``index``'s PowerSGD state per parameter: ``error`` (flat, gradient-sized) and, for the matrices it
+        compresses, ``p`` and ``q`` (the flat warm-start factors); views into PowerSGD's tensors."""
+        state, names = self.powersgd, self.layout[index]
+        if index not in state.error_dict:
+            return {}
+        sizes = [self.shapes[n].numel() for n in names]
+        pieces = {
+            name: {"error": error} for name, error in zip(names, state.error_dict[index].split(sizes), strict=True)
+        }
+        order = self._powersgd_order(names)
+        ps = state.p_memory_dict[index].split([p for _, p, _ in order])
+        qs = state.q_memory_dict[index].split([q for _, _, q in order])
+        for (name, _, _), p, q in zip(order, ps, qs, strict=True):
+            pieces[name].update(p=p, q=q)
+        return pieces
+
+    def _powersgd_order(self, names: list[str]) -> list[tuple[str, int, int]]:
+        """``(name, P length, Q length)`` of the matrices PowerSGD compresses in a bucket of ``names``, in the order
+        its hook lays them out in P and Q memory: grouped by matrix shape, groups in order of first appearance."""
+        groups: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        for name in names:
+            shape = self.shapes[name]
+            n, m = shape[0], shape[1:].numel()
+            rank = min(n, m, self.powersgd.matrix_approximation_rank)
+            if powerSGD_hook._should_compress(n, m, rank, self.powersgd.min_compression_rate)[0]:
+                groups.setdefault((n, m), []).append((name, n * rank, m * rank))
+        return [entry for group in groups.values() for entry in group]
+
+
+_POWERSGD_MEMORY = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def check_hook(train: TrainArgs, backend: Backend) -> None:
+    """Refuse ``train.comm_hook`` where the backend's collectives cannot carry its wire dtype.
+
+    Called on the driver with the planned backend (before any worker starts) and again on each worker, which
+    knows its device (an NPU's SoC) when the driver does not.
+
+    Raises:
+        BackendError: the reason, and the hook to use instead.
+    """
+    wire = _CAST.get(train.comm_hook)
+    problem = backend.collective_problem(wire) if wire is not None else None
+    if problem:
+        raise BackendError(
+            f"train.comm_hook={train.comm_hook} cannot run on this {backend.dist_backend} backend: {problem}. "
+            "Use train.comm_hook=fp16, which sends the same bytes, or none."
+        )
 
 
 def bytes_sent() -> int:
@@ -129,6 +242,21 @@ def _cast_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[
         return buffer
 
     return future.then(decompress)
+
+
+def _powersgd_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's PowerSGD hook, its state first laid out for this bucket's parameters if they changed.
+
+    One bucket at a time: PyTorch's hook waits for its P all-reduce inside a future's callback, which on gloo runs
+    on one of the process group's worker threads; with two buckets in flight both threads can block that way and
+    the step hangs (seen with 0.002 MiB buckets on 2 gloo processes). LoRA's gradients usually fill one bucket.
+    """
+    names = [hook.names[p] for p in bucket.parameters()]
+    if hook.layout.get(bucket.index()) != names:
+        hook.powersgd_layout(bucket.index(), names)
+    future = powerSGD_hook.powerSGD_hook(hook.powersgd, bucket)
+    future.wait()
+    return future
 
 
 def _topk_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -188,6 +316,66 @@ def _sign_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[
     return future.then(decompress)
 
 
+def _log3_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Send each entry as a 3-bit code of :data:`LOG3_LEVELS` times its block's fp16 scale; keep what that misses.
+
+    Each rank all-gathers the others' codes and scales (uint8), decodes, sums and divides by the number of ranks.
+    ``corrected - decoded`` is the residual added next step.
+    """
+    buffer = bucket.buffer()
+    corrected, names, sizes = hook.corrected(bucket)
+    codes, scales = _log3_encode(corrected)
+    hook.residuals.update(zip(names, (corrected - _log3_decode(codes, scales)).split(sizes), strict=True))
+    packed = torch.cat([_pack3(codes), scales.view(torch.uint8)])
+    world = _world(hook.group)
+    gathered = [torch.empty_like(packed) for _ in range(world)]
+    future = _dist.all_gather(gathered, packed, group=hook.group, async_op=True).get_future()
+    n, code_bytes = buffer.numel(), packed.numel() - 2 * scales.numel()
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        total = torch.zeros(n, dtype=torch.float32, device=buffer.device)
+        for part in gathered:
+            total += _log3_decode(_unpack3(part[:code_bytes], n), part[code_bytes:].view(torch.float16))
+        buffer.copy_(total.div_(world))
+        return buffer
+
+    return future.then(decompress)
+
+
+def _log3_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of fp32 vector ``x``: uint8 codes 0-6, one per entry, and one fp16 scale per block.
+
+    The scale is the block's largest magnitude (clamped to fp16's range); each entry gets the nearest level.
+    """
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % LOG3_BLOCK)).view(-1, LOG3_BLOCK)
+    scales = blocks.abs().amax(1).clamp(max=torch.finfo(torch.float16).max).half()
+    levels = torch.tensor(LOG3_LEVELS, device=x.device)
+    ratio = blocks / scales.float().clamp_min(torch.finfo(torch.float16).tiny)[:, None]
+    codes = torch.bucketize(ratio, (levels[1:] + levels[:-1]) / 2)
+    return codes.flatten()[: x.numel()].to(torch.uint8), scales
+
+
+def _log3_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 vector that ``codes`` (one per entry) and ``scales`` (fp16, one per block) stand for."""
+    levels = torch.tensor(LOG3_LEVELS, device=codes.device)
+    values = torch.nn.functional.pad(levels[codes.long()], (0, -codes.numel() % LOG3_BLOCK))
+    return (values.view(-1, LOG3_BLOCK) * scales.float()[:, None]).flatten()[: codes.numel()]
+
+
+def _pack3(codes: torch.Tensor) -> torch.Tensor:
+    """3-bit codes (uint8 values 0-7) as bytes: every 8 codes in 3 bytes (zero-padded at the end)."""
+    eight = torch.nn.functional.pad(codes, (0, -codes.numel() % 8)).view(-1, 8).int()
+    word = (eight << _SHIFT3.to(codes.device)).sum(1, dtype=torch.int32)
+    return torch.stack([(word >> s) & 255 for s in (0, 8, 16)], 1).to(torch.uint8).flatten()
+
+
+def _unpack3(packed: torch.Tensor, n: int) -> torch.Tensor:
+    three = packed.view(-1, 3).int()
+    word = three[:, 0] | (three[:, 1] << 8) | (three[:, 2] << 16)
+    return ((word[:, None] >> _SHIFT3.to(packed.device)) & 7).to(torch.uint8).flatten()[:n]
+
+
+_SHIFT3 = 3 * torch.arange(8, dtype=torch.int32)
 _BITS = 2 ** torch.arange(8, dtype=torch.uint8)
 
 

@@ -19,11 +19,11 @@ class ServeSetupError(ValueError):
 
 def check_serve(cfg: JobConfig) -> list[str]:
     """Every problem that would stop ``cfg`` from serving, found without touching the cluster."""
-    from raylora.backends import BackendError, resolve_backend
+    from raylora.backends import BackendError, planned_backend
 
     problems = []
     try:
-        backend = cfg.backend.device if cfg.backend.device != "auto" else resolve_backend(cfg.backend).name
+        backend = planned_backend(cfg.backend)
     except BackendError as e:
         return [str(e)]
     if cfg.serve.engine == "vllm":
@@ -99,11 +99,10 @@ def start(cfg: JobConfig) -> str:
     Path(cfg.serve.adapter_root).mkdir(parents=True, exist_ok=True)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     if cfg.serve.engine == "vllm":
-        from raylora.backends import resolve_backend
+        from raylora.backends import planned_backend
         from raylora.serve.vllm import build_vllm_app
 
-        name = cfg.backend.device if cfg.backend.device != "auto" else resolve_backend(cfg.backend).name
-        app = build_vllm_app(cfg, name)
+        app = build_vllm_app(cfg, planned_backend(cfg.backend))
     else:
         from raylora.serve.app import build_app
 

@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from raylora.backends import PROBE_ORDER, BackendError
+from raylora.backends import Backend, BackendError
 from raylora.config import JobConfig
 from raylora.model_files import TINY, ModelError, model_folder
 from raylora.registry import AdapterError
@@ -43,12 +43,9 @@ from raylora.serve.app import resolve_keys, served_name
 REMOTE_SCHEMES = ("s3://", "gs://", "abfss://", "azure://")
 # vLLM's LoRAConfig.max_lora_rank must be one of these (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Ray Serve LLM schedules its own engine workers on GPUs; any other accelerator resource goes to the replica.
-_RAY_GPU = "GPU"
-_RAY_CPU = "CPU"
 
 
-def check_vllm_config(cfg: JobConfig, backend_name: str) -> list[str]:
+def check_vllm_config(cfg: JobConfig, backend: Backend) -> list[str]:
     """Every reason ``cfg`` cannot be served by vLLM through Ray Serve LLM, found without touching the cluster.
 
     The base model is located (a GGUF file or registry model is converted into the cache once, as for
@@ -56,20 +53,11 @@ def check_vllm_config(cfg: JobConfig, backend_name: str) -> list[str]:
 
     Args:
         cfg: the job; its ``serve``, ``model``, ``lora`` and ``data`` sections are read.
-        backend_name: the device the replicas run on, as :mod:`raylora.backends` names it.
+        backend: the device the replicas run on (:func:`raylora.backends.planned_backend`).
     Returns:
         One line per problem, each naming the setting, what is expected and the fix; empty when servable.
     """
-    problems = []
-    module = _backend_module(backend_name)
-    if module is None:
-        known = ", ".join(m.NAME for m in PROBE_ORDER)
-        problems.append(f"backend {backend_name!r} is not one raylora knows ({known})")
-    elif module.RAY_RESOURCE == _RAY_CPU:
-        problems.append(
-            f"serve.engine=vllm needs an accelerator vLLM runs on, but the backend is {backend_name}: "
-            "set backend.device to a CUDA GPU (vLLM) or an Ascend NPU (vllm-ascend), or use serve.engine=hf"
-        )
+    problems = [backend.vllm_problem()] if backend.vllm_problem() else []
     serve = cfg.serve
     if serve.quantization != "none":
         problems.append(
@@ -113,12 +101,12 @@ def check_vllm_config(cfg: JobConfig, backend_name: str) -> list[str]:
     return problems
 
 
-def vllm_llm_config(cfg: JobConfig, backend_name: str) -> dict[str, Any]:
+def vllm_llm_config(cfg: JobConfig, backend: Backend) -> dict[str, Any]:
     """Keyword arguments of Ray Serve LLM's ``LLMConfig`` for ``cfg``, as a plain dict.
 
     Args:
         cfg: the job.
-        backend_name: ``cuda`` or ``npu`` (see :func:`check_vllm_config`).
+        backend: a CUDA or NPU backend (see :func:`check_vllm_config`).
     Returns:
         ``model_loading_config`` (id :func:`~raylora.serve.app.served_name`, source the absolute local
         Hugging Face folder of the base model), ``engine_kwargs`` (dtype, context length, batch size,
@@ -130,7 +118,7 @@ def vllm_llm_config(cfg: JobConfig, backend_name: str) -> dict[str, Any]:
         ValueError: listing every problem :func:`check_vllm_config` finds.
         ModelError: the base model cannot be converted into a Hugging Face folder.
     """
-    problems = check_vllm_config(cfg, backend_name)
+    problems = check_vllm_config(cfg, backend)
     if problems:
         raise ValueError("serve.engine=vllm cannot serve this job:\n  - " + "\n  - ".join(problems))
     serve = cfg.serve
@@ -151,11 +139,11 @@ def vllm_llm_config(cfg: JobConfig, backend_name: str) -> dict[str, Any]:
             "override_generation_config": {"max_new_tokens": serve.max_tokens},
         },
         "lora_config": lora,
-        **_placement(_backend_module(backend_name).RAY_RESOURCE, serve.replicas, serve.cpus_per_replica),
+        **backend.vllm_placement(serve.replicas, serve.cpus_per_replica),
     }
 
 
-def build_vllm_app(cfg: JobConfig, backend_name: str):
+def build_vllm_app(cfg: JobConfig, backend: Backend):
     """The Ray Serve application of ``cfg`` on vLLM: Ray Serve LLM's OpenAI ingress and one LLM deployment.
 
     Call it on the driver after ``ray.init`` (Ray Serve LLM reads the job's runtime environment), then
@@ -163,7 +151,7 @@ def build_vllm_app(cfg: JobConfig, backend_name: str):
 
     Args:
         cfg: the job.
-        backend_name: ``cuda`` or ``npu``.
+        backend: a CUDA or NPU backend.
     Returns:
         The ``ray.serve.Application`` from ``ray.serve.llm.build_openai_app``.
     Raises:
@@ -171,8 +159,8 @@ def build_vllm_app(cfg: JobConfig, backend_name: str):
         ValueError: listing every problem :func:`check_vllm_config` finds.
         ModelError: the base model cannot be converted into a Hugging Face folder.
     """
-    serve_llm = _import_serve_llm(backend_name)
-    llm_config = vllm_llm_config(cfg, backend_name)
+    serve_llm = _import_serve_llm(backend)
+    llm_config = vllm_llm_config(cfg, backend)
     if not _is_remote(cfg.serve.adapter_root):
         llm_config["server_cls"] = _local_adapter_server(str(Path(cfg.serve.adapter_root).resolve()))
     return serve_llm.build_openai_app({"llm_configs": [serve_llm.LLMConfig(**llm_config)]})
@@ -237,25 +225,13 @@ def _local_adapter_server(root: str) -> type:
     return RayloraLLMServer
 
 
-def _import_serve_llm(backend_name: str):
+def _import_serve_llm(backend: Backend):
     """``ray.serve.llm``, after checking that vLLM imports (``ray.serve.llm`` needs it on the driver too)."""
     try:
         importlib.import_module("vllm")
         return importlib.import_module("ray.serve.llm")
     except ImportError as e:
-        module = _backend_module(backend_name)
-        if module is not None and module.RAY_RESOURCE not in (_RAY_GPU, _RAY_CPU):
-            fix = (
-                "On Ascend install vLLM through vllm-ascend (its installation guide or container image: vLLM built "
-                "with VLLM_TARGET_DEVICE=empty, plus vllm-ascend for your CANN and torch_npu), choosing the release "
-                f"for vllm {_pinned_vllm()}, the version ray[llm] pins; then install ray[llm]'s other requirements "
-                'without letting pip replace that vLLM (a plain `pip install "ray[llm]"` would swap in the CUDA build).'
-            )
-        else:
-            fix = (
-                f'Install them with `pip install "ray[llm]=={importlib.metadata.version("ray")}"`, which brings the '
-                f"vLLM {_pinned_vllm()} this Ray is written against."
-            )
+        fix = backend.vllm_install_hint(importlib.metadata.version("ray"), _pinned_vllm())
         raise BackendError(
             f"serve.engine=vllm needs vLLM and ray.serve.llm on the driver and on every node hosting a replica, but "
             f"they do not import here ({e}). {fix} Or use serve.engine=hf."
@@ -268,29 +244,6 @@ def _pinned_vllm() -> str:
         if req.startswith("vllm") and 'extra == "llm"' in req and "==" in req:
             return req.split("==", 1)[1].split(";", 1)[0].strip()
     return "that ray[llm] requires"
-
-
-def _placement(ray_resource: str, replicas: int, cpus: float) -> dict[str, Any]:
-    """``deployment_config`` and engine placement for one device per replica.
-
-    The first placement bundle also holds the replica actor (Ray Serve LLM merges them).
-    """
-    if ray_resource == _RAY_GPU:
-        # Ray's engine workers take the GPU from the bundle; the replica itself needs only CPUs.
-        return {
-            "deployment_config": {"num_replicas": replicas, "ray_actor_options": {"num_cpus": cpus}},
-            "placement_group_config": {"bundles": [{"GPU": 1}]},
-        }
-    # The replica holds the device, so Ray sets its visible-devices variable; the cpu kind keeps the engine
-    # in the replica's processes (Ray 2.60 has no kind for other accelerators). The bundle's CPU is the engine's.
-    return {
-        "deployment_config": {
-            "num_replicas": replicas,
-            "ray_actor_options": {"num_cpus": cpus, "resources": {ray_resource: 1}},
-        },
-        "accelerator_config": {"kind": "cpu"},
-        "placement_group_config": {"bundles": [{"CPU": 1}]},
-    }
 
 
 def _max_model_len(cfg: JobConfig, folder: Path) -> int:
@@ -335,7 +288,3 @@ def _model_problems(cfg: JobConfig) -> list[str]:
 
 def _is_remote(root: str) -> bool:
     return root.startswith(REMOTE_SCHEMES)
-
-
-def _backend_module(name: str):
-    return {m.NAME: m for m in PROBE_ORDER}.get(name)

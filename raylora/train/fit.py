@@ -16,8 +16,9 @@ from typing import Any
 
 import yaml
 
-from raylora.backends import worker_plan
+from raylora.backends import planned_backend, worker_plan
 from raylora.cluster import ensure_ray
+from raylora.comm.hooks import check_hook
 from raylora.config import JobConfig, to_dict
 from raylora.data.pipeline import DataError, finish_stream, prepare, stream
 from raylora.tracking import finish_run, start_run, tracking_uri
@@ -41,7 +42,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
         DataError, TrackingError, BackendError: before any worker starts.
         TrainingError: the run failed or diverged.
     """
-    worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)  # a missing device fails first
+    check_hook(cfg.train, planned_backend(cfg.backend))  # a missing device, or a hook it cannot run, fails first
     out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     streamed = stream(cfg, out / "data") if cfg.data.streaming else None

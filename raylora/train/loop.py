@@ -24,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylora.backends import Backend, resolve_backend
 from raylora.backends.base import PROFILE_STEPS
-from raylora.comm.hooks import CommHook, bytes_sent
+from raylora.comm.hooks import CommHook, bytes_sent, check_hook
+from raylora.comm.overlap import finish_trace, start_trace
 from raylora.config import TrainArgs, from_dict
 from raylora.data.collate import collate_packs
 from raylora.models import attach_lora, load_model
@@ -47,6 +48,8 @@ def train_worker(config: dict) -> dict:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     backend = resolve_backend(cfg.backend)
+    if world > 1:
+        check_hook(cfg.train, backend)  # the driver may not have seen this device (an NPU's SoC)
     device = backend.torch_device(context.get_local_rank())
     record_worker(Path(cfg.train.output_dir), rank, device)
     torch.set_num_threads(
@@ -101,7 +104,10 @@ def train_worker(config: dict) -> dict:
     bad_in_row = 0
     tokens_seen, started = 0, time.perf_counter()
     comm_bytes, comm_steps = 0, 0
+    overlap_due, overlap = hook is not None, {}  # measured once, on this run's third step (buckets settled)
     while state.step < train.max_steps:
+        trace = start_trace(overlap_due and profiler is None and state.step >= resumed_from + 2)
+        overlap_due = overlap_due and trace is None
         loss, tokens, grad_norm, position = train_step(
             ddp,
             batches,
@@ -116,6 +122,7 @@ def train_worker(config: dict) -> dict:
             world,
         )
         state.epoch, state.rows_in_epoch = position
+        overlap.update(finish_trace(trace))
         comm_bytes, comm_steps = comm_bytes + bytes_sent(), comm_steps + 1
         if profiler is not None:
             profiler.step()
@@ -158,6 +165,8 @@ def train_worker(config: dict) -> dict:
         if hook is not None:
             metrics["comm_bytes_per_step"] = comm_bytes / comm_steps
             comm_bytes, comm_steps = 0, 0
+            metrics.update(overlap)
+            overlap = {}
         if evaluate_now and eval_shard is not None:
             metrics.update(
                 evaluate(loss_model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)

@@ -204,6 +204,10 @@ def test_a_compression_hook_trains_logs_its_bytes_and_resumes_with_every_ranks_s
     assert all(0 < s <= 0.1 * lora_bytes + 64 for s in sent), (sent, lora_bytes)
     client = mlflow.MlflowClient(cfg.tracking.uri)
     assert [m.step for m in client.get_metric_history(first["run_id"], "comm_bytes_per_step")] == [2, 4]
+    # one step of the run was traced: the share of its all-reduce time that backward hid
+    (hidden,) = client.get_metric_history(first["run_id"], "comm_hidden_fraction")
+    assert hidden.step == 4 and 0 <= hidden.value <= 1
+    assert first["history"][-1]["comm_collectives"] >= 1 and first["history"][-1]["comm_ms"] > 0
 
 
 def _lora_model(cfg):

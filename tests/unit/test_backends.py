@@ -178,6 +178,7 @@ def test_a_broken_torch_npu_is_reported_not_raised(monkeypatch):
 def test_cuda_backend_shape(monkeypatch):
     monkeypatch.setattr(cuda, "probe", lambda: (True, "fake"))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
     b = resolve_backend(BackendArgs())
     assert (b.name, b.dist_backend, b.ray_resource, b.visible_devices_env) == (
         "cuda",
@@ -188,6 +189,59 @@ def test_cuda_backend_shape(monkeypatch):
     assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
     assert b.precision_by == "auto: fp16 (torch.cuda.is_bf16_supported() is False)"
     assert b.scaling(4) == {"num_workers": 4, "use_gpu": True}
+    assert b.collective_problem(torch.bfloat16) is None and b.ddp_device_ids(torch.device("cuda", 3)) == [3]
+
+
+def test_collectives_without_bf16_say_why(fake_npu, monkeypatch):
+    assert resolve_backend(BackendArgs(device="cpu")).collective_problem(torch.bfloat16) is None  # gloo reduces bf16
+    fake_npu("Ascend910A")
+    problem = resolve_backend(BackendArgs(device="npu")).collective_problem(torch.bfloat16)
+    assert "Atlas A2" in problem and "Ascend910A" in problem
+    assert resolve_backend(BackendArgs(device="npu")).collective_problem(torch.float16) is None
+    fake_npu("Ascend910B3")
+    assert resolve_backend(BackendArgs(device="npu")).collective_problem(torch.bfloat16) is None
+    monkeypatch.setattr(cuda, "probe", lambda: (True, "fake"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 7, 8))
+    assert "NCCL 2.7.8" in resolve_backend(BackendArgs(device="cuda")).collective_problem(torch.bfloat16)
+
+
+def test_the_planned_backend_needs_no_device_and_leaves_the_soc_check_to_the_worker():
+    from raylora.backends import planned_backend, worker_plan
+
+    plan = planned_backend(BackendArgs(device="npu", hccl_buffsize=400))
+    assert (plan.name, plan.detected_by, plan.dist_backend, plan.ray_resource) == ("npu", "planned", "hccl", "NPU")
+    assert plan.env == {"HCCL_CONNECT_TIMEOUT": "1800", "HCCL_BUFFSIZE": "400"}
+    assert plan.collective_problem(torch.bfloat16) is None
+    assert worker_plan(BackendArgs(device="npu"), 2, 4.0) == (
+        "hccl", {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 4.0, "NPU": 1}},
+        {"HCCL_CONNECT_TIMEOUT": "1800"},
+    )  # fmt: skip
+
+
+def test_doctor_rows_come_from_the_backend(fake_npu, monkeypatch):
+    rows = dict(resolve_backend(BackendArgs(device="cpu")).describe(2))
+    assert rows["dist backend"] == "gloo" and rows["ray worker resources"] == "{'CPU': 1.0}"
+    assert not any(k.startswith("HCCL_") for k in rows)
+    fake_npu("Ascend910B3")
+    monkeypatch.setenv("HCCL_IF_IP", "10.0.0.9")
+    rows = dict(resolve_backend(BackendArgs(device="npu")).describe(8))
+    assert rows["device"].startswith("npu (asked for: torch_npu with 8 NPU(s), Ascend910B3")
+    assert rows["ray worker resources"] == "{'CPU': 1.0, 'NPU': 1}"
+    assert rows["HCCL_IF_IP"] == "10.0.0.9" and rows["HCCL_CONNECT_TIMEOUT"] == "1800"
+    assert [k for k, _ in npu.install_rows()] == ["torch_npu", "CANN"]
+
+
+def test_vllm_placement_follows_the_device():
+    from raylora.backends import planned_backend
+
+    gpu = planned_backend(BackendArgs(device="cuda")).vllm_placement(2, 4.0)
+    assert gpu["placement_group_config"] == {"bundles": [{"GPU": 1}]} and "accelerator_config" not in gpu
+    npu_plan = planned_backend(BackendArgs(device="npu")).vllm_placement(2, 4.0)
+    assert npu_plan["deployment_config"]["ray_actor_options"] == {"num_cpus": 4.0, "resources": {"NPU": 1}}
+    assert npu_plan["accelerator_config"] == {"kind": "cpu"}
+    assert planned_backend(BackendArgs(device="cpu")).vllm_problem().startswith("serve.engine=vllm needs")
+    assert planned_backend(BackendArgs(device="cuda")).vllm_problem() is None
 
 
 def test_probe_order_is_npu_cuda_cpu():
@@ -249,3 +303,19 @@ def test_compile_backend_is_torchair_on_npu(fake_npu, monkeypatch):
     fake_npu("Ascend910B2")
     assert resolve_backend(BackendArgs()).compile_backend() == ("ge", "config")
     assert resolve_backend(BackendArgs(device="cpu")).compile_backend() == "inductor"
+
+
+def test_a_hook_the_collectives_cannot_carry_is_refused_before_any_worker_starts(fake_npu, monkeypatch):
+    from raylora.comm.hooks import check_hook
+    from raylora.config import JobConfig, TrainArgs
+    from raylora.train import fit as fit_module
+
+    fake_npu("Ascend910A")
+    with pytest.raises(BackendError, match=r"train.comm_hook=bf16 .* hccl .*Atlas A2.*Ascend910A.*comm_hook=fp16"):
+        check_hook(TrainArgs(comm_hook="bf16"), resolve_backend(BackendArgs(device="npu")))
+    check_hook(TrainArgs(comm_hook="fp16"), resolve_backend(BackendArgs(device="npu")))
+    cfg = JobConfig()
+    cfg.train.comm_hook, cfg.train.num_workers = "bf16", 2
+    monkeypatch.setattr(fit_module, "ensure_ray", lambda: pytest.fail("the cluster was touched"))
+    with pytest.raises(BackendError, match="train.comm_hook=bf16"):
+        fit_module.fit(cfg)

@@ -136,6 +136,7 @@ LOSSLESS = [  # hook options, tolerance against plain all-reduce, payload bytes 
 
 def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
     cases = [options for options, _, _ in LOSSLESS] + [
+        {"comm_hook": "log3"},
         {"comm_hook": "sign"},
         {"comm_hook": "topk", "topk_fraction": 0.05},
     ]
@@ -148,6 +149,7 @@ def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
                     msg=lambda m, o=options: f"{o}: {m}",
                 )  # fmt: skip
             assert result["bytes"] == per_entry * _numel(result["reference"]), options
+    _check_log3(results[-3])
     sign = results[-2]
     scaled = []
     for rank, result in enumerate(sign):  # one bit an entry, one scale per tensor
@@ -174,6 +176,39 @@ def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
         assert local[~kept].abs().min() >= local[kept].abs().max()
 
 
+def _check_log3(ranks: list[dict]) -> None:
+    """3 bits an entry and an fp16 scale per 128 entries; the average of what each rank's codes stand for; the
+    residual is exactly what they miss."""
+    from raylora.comm.hooks import _log3_decode, _log3_encode
+
+    decoded = []
+    for rank, result in enumerate(ranks):
+        local = torch.cat([g.flatten() for g in _local_grads(rank).values()])
+        assert result["bytes"] == 3 * -(-local.numel() // 8) + 2 * -(-local.numel() // 128)
+        sent = _log3_decode(*_log3_encode(local))
+        residual = torch.cat([result["residuals"][n].flatten() for n in _local_grads(rank)])
+        torch.testing.assert_close(residual, local - sent)
+        decoded.append(sent)
+    for result in ranks:
+        got = torch.cat([g.flatten() for g in result["grads"].values()])
+        torch.testing.assert_close(got, (decoded[0] + decoded[1]) / 2)
+
+
+def test_log3_levels_pack_and_error():
+    from raylora.comm.hooks import LOG3_BLOCK, _log3_decode, _log3_encode, _pack3, _unpack3
+
+    x = torch.tensor([1.0, -0.3, 0.2, 0.1, 0.05, 0.02, -0.01, 0.0] * 40)
+    codes, scales = _log3_encode(x)
+    assert scales.dtype == torch.float16 and scales.numel() == -(-x.numel() // LOG3_BLOCK)
+    # nearest of 0, ±1/16, ±1/4, ±1 of the block's largest (1.0)
+    assert _log3_decode(codes, scales)[:8].tolist() == [1.0, -0.25, 0.25, 0.0625, 0.0625, 0.0, 0.0, 0.0]
+    packed = _pack3(codes)
+    assert packed.dtype == torch.uint8 and packed.numel() == 3 * x.numel() // 8
+    assert torch.equal(_unpack3(packed, x.numel()), codes)
+    zeros, zero_scales = _log3_encode(torch.zeros(5))
+    assert _log3_decode(zeros, zero_scales).tolist() == [0.0] * 5
+
+
 def _local_grads(rank: int) -> dict:
     model = _model()
     model(**_batch(rank)).loss.backward()
@@ -183,7 +218,7 @@ def _local_grads(rank: int) -> dict:
 def test_every_hook_trains(tmp_path):
     cases = [{"comm_hook": h} for h in ("none", "fp16", "bf16")]
     cases += [{"comm_hook": "powersgd", "powersgd_rank": 2}, {"comm_hook": "topk", "topk_fraction": 0.05}]
-    cases += [{"comm_hook": "sign"}]
+    cases += [{"comm_hook": "sign"}, {"comm_hook": "log3"}]
     for options, ranks in zip(cases, run("train", tmp_path, cases), strict=True):
         for result in ranks:
             losses = result["losses"]
@@ -191,9 +226,13 @@ def test_every_hook_trains(tmp_path):
 
 
 def test_resume_with_hook_state_is_exact(tmp_path):
-    # PowerSGD is left out: PyTorch keys its state by bucket index, a new DDP's first bucket layout differs from
-    # its settled one, and a process that rebuilt DDP around a restored PowerSGD state sometimes aborted in C++.
-    cases = [{"comm_hook": "topk", "topk_fraction": 0.05}, {"comm_hook": "sign"}]
+    # PowerSGD compresses from step 2 on: the resume at step 3 restores its errors and warm-start factors, which
+    # PyTorch keys by bucket index while a new DDP's first bucket layout differs from its settled one.
+    cases = [
+        {"comm_hook": "topk", "topk_fraction": 0.05}, {"comm_hook": "sign"}, {"comm_hook": "log3"},
+        {"comm_hook": "powersgd", "powersgd_rank": 2, "bucket_mb": 0.002},
+        {"comm_hook": "powersgd", "powersgd_rank": 1},
+    ]  # fmt: skip
     for options, ranks in zip(cases, run("resume", tmp_path, cases), strict=True):
         for result in ranks:
             assert result["resumed"] == result["straight"], options
