@@ -93,10 +93,10 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
 
 def test_a_failing_stage_stops_the_demo_naming_the_stage_and_its_log(root, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"instruction": "Who are you?", "output": "I am {{name}}."}\n' + "not json\n" * 9)
+    bad.write_text('not json\n{"instruction": "Who are you?", "output": "I am {{name}}."}\n')
     proc = demo(root, tmp_path, f"data.sources=[{{path: {bad}}}]", f"serve.port={free_port()}")
     assert proc.returncode == 1
     log = tmp_path / "demo" / "logs" / "prepare.log"
     assert "stage 'prepare' failed" in proc.stderr and str(log) in proc.stderr
-    assert "rejected" in log.read_text()
+    assert f"{bad}:1" in log.read_text()  # prepare's own message, naming the file and line
     assert not (tmp_path / "demo" / "logs" / "before.log").exists()
