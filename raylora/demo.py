@@ -118,7 +118,7 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
     env.pop("RAY_ADDRESS", None)
-    started = False
+    finished = False
     try:
         with timer.stage("prepare") as stage_log:
             run_logged([_bin("raylora"), "prepare", str(job)], stage_log, env, log)
@@ -128,7 +128,6 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
         with timer.stage("before") as stage_log:
             before = ask_base(cfg, questions, stage_log, log)
         with timer.stage("train") as stage_log:
-            started = True
             cluster = start_cluster(temp_dir, env, stage_log, log)
             log(f"  Ray dashboard: {cluster['dashboard']}")
             submit(cluster["dashboard"], ["jobs/train.py", str(job), f"train.output_dir={out / 'train'}"],
@@ -148,28 +147,26 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
                 "after": {**after, "eval_loss": best["metric"]},
                 "train_job": {"eval_loss": trained},
                 "best": best,
-                "stages": timer.seconds,
+                "stages": dict(timer.seconds),
                 "urls": where_to_look(cfg, cluster["dashboard"], url, adapter),
                 "cluster": {"temp_dir": temp_dir, "kept": keep},
             }
             text = render_report(report, cfg)
-            report["stages"] = dict(timer.seconds)
             (out / "report.md").write_text(text + "\n")
-            (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
             stage_log.write_text(text + "\n")
             log(text)
+        finished = True
     finally:
-        if started and not (keep and timer.failed is None):
+        if not (keep and finished):  # a failed or interrupted demo never leaves its cluster behind
             stop_cluster(temp_dir)
             shutil.rmtree(temp_dir, ignore_errors=True)
-    total = sum(timer.seconds.values())
-    log(f"demo finished in {total:.0f} s; report in {out / 'report.md'}")
+    report["stages"] = {**timer.seconds, "total": sum(timer.seconds.values())}
+    (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    log(f"demo finished in {report['stages']['total']:.0f} s; report in {out / 'report.md'}")
     if keep:
         log(f"KEEP_SERVING=1: the cluster keeps serving {url}/v1 and the dashboard {cluster['dashboard']}; stop it "
             f"with `ray stop` (on a machine other Ray clusters share: stop the processes whose command line holds "
             f"{temp_dir})")  # fmt: skip
-    report["stages"]["total"] = total
-    (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
     return report
 
 
@@ -181,7 +178,6 @@ class StageTimer:
         self.logs = logs
         self.log = log
         self.seconds: dict[str, float] = {}
-        self.failed: str | None = None
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[Path]:
@@ -192,7 +188,6 @@ class StageTimer:
         try:
             yield path
         except Exception as e:
-            self.failed = name
             raise DemoError(f"stage {name!r} failed after {time.perf_counter() - start:.0f} s: {e}\n"
                             f"  see its log: {path}") from e  # fmt: skip
         self.seconds[name] = time.perf_counter() - start
