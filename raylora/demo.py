@@ -299,6 +299,7 @@ def ask_base(cfg: JobConfig, questions: list[dict], log_path: Path, log: Callabl
             answers.append(text)
             line = f"  Q: {q['question']}\n  A: {text}"
             f.write(line + "\n")
+            f.flush()
             log(line)
         loss = eval_loss(model, tokenizer.pad_token_id, cfg, backend)
         f.write(f"eval loss {loss:.4f}\n")
@@ -433,6 +434,7 @@ def serve_and_ask(
             answers.append(text)
             line = f"  Q: {q['question']}\n  A: {text}"
             f.write(line + "\n")
+            f.flush()
             log(line)
     after = {"answers": answers, "tokens_per_s": tokens / seconds, **score(cfg, questions, answers)}
     return after, url, adapter
