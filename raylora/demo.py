@@ -356,7 +356,15 @@ def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str],
     cmd = [_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
            *(f"--{k}={v}" for k, v in ports.items())]  # fmt: skip
-    run_logged(cmd, log_path, env, log)
+    try:
+        run_logged(cmd, log_path, env, log)
+    except DemoError as e:
+        # `ray start` gives the raylet a fixed 30 s to register; a heavily loaded machine can miss that once
+        if "timed out during startup" not in str(e):
+            raise
+        log("  ray start timed out (is the machine busy?); stopping what it started and trying once more")
+        stop_cluster(temp_dir)
+        run_logged(cmd, log_path, env, log)
     return {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{ports['port']}"}
 
 
