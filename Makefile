@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-unit demo bench lint format clean
+.PHONY: install test test-unit demo quickstart bench lint format clean
 
 install: $(VENV)/.installed
 
@@ -31,7 +31,13 @@ test: install
 test-unit: install
 	$(PY) -m pytest -q -m "not integration and not slow and not device" tests
 
+# prepare with Ray Data, train with `ray job submit`, sweep with Ray Tune, serve the best adapter on a W8A8 base;
+# KEEP_SERVING=1 make demo leaves the cluster and the endpoint running
 demo: install
+	$(VENV)/bin/raylora demo configs/smollm2_demo_cpu.yaml
+
+# the one-process smoke run: a few LoRA steps on SmolLM2, no Ray, answers before and after
+quickstart: install
 	$(VENV)/bin/raylora quickstart configs/smollm2_lora_cpu.yaml
 
 bench: install
@@ -50,4 +56,4 @@ format: install
 	$(VENV)/bin/ruff format raylora tests jobs
 
 clean:
-	rm -rf $(VENV) outputs mlflow.db
+	rm -rf $(VENV) outputs mlflow.db mlartifacts

@@ -16,6 +16,8 @@ COMMANDS = {
     "export": "write a merged or quantised model folder",
     "serve": "serve the base model and adapters over an OpenAI-compatible HTTP API",
     "plan": "predict step time and scaling efficiency on 1 to 256 cards, with and without gradient compression",
+    "demo": "the main job end to end: prepare, train and sweep on a local Ray cluster, serve the best adapter, "
+    "print before/after",
     "doctor": "check that this environment can run a job, and say what to fix",
 }
 
@@ -65,12 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         print(render(rows, problems))
         return 1 if problems else 0
     from raylora.backends import BackendError
+    from raylora.demo import DemoError
     from raylora.model_files import ModelError
     from raylora.tracking import TrackingError
     from raylora.train.checkpoint import CheckpointError
     from raylora.train.fit import TrainingError
 
-    expected = (BackendError, ModelError, TrackingError, CheckpointError, TrainingError, ValueError, OSError)
+    expected = (BackendError, ModelError, TrackingError, CheckpointError, TrainingError, DemoError, ValueError, OSError)
 
     try:
         if args.command == "prepare":
@@ -98,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             from raylora.tune.sweep import sweep
 
             sweep(cfg, resume=args.resume)
+        elif args.command == "demo":
+            from raylora.demo import run_demo
+
+            run_demo(cfg, args.config)
         elif args.command == "train":
             from raylora.train.fit import fit
 

@@ -28,6 +28,7 @@ OUTPUTS = {
     "quickstart": ("train.output_dir",),
     "export": ("export.output_dir",),
     "serve": ("serve.adapter_root", "tracking.uri"),
+    "demo": ("data.output_dir", "train.output_dir", "export.output_dir", "serve.adapter_root", "tracking.uri"),
 }
 
 

@@ -6,6 +6,7 @@ quickstart, reads sample rows without importing Ray Data.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -127,3 +128,44 @@ def sample_token_ids(data: DataArgs, tokenizer, n: int, skip: int = 0) -> list[l
     encoder = Encoder(tokenizer_spec(tokenizer, data.template), data.cutoff_len, "tail", False)
     texts = [encoder.text(c) for c in sample_conversations(data, n, skip)]
     return [tokenizer(t, add_special_tokens=False).input_ids[: data.cutoff_len] for t in texts]
+
+
+def held_out_conversations(data: DataArgs) -> list[Conversation]:
+    """The rows ``raylora prepare`` puts in the eval split, as conversations, in file order.
+
+    The same rule as the pipeline: a row is held out when its seeded hash of ``(file, line)`` falls under
+    ``data.eval_fraction``, or, with ``data.eval_count``, when it is among the rows with the smallest hashes.
+    Rows that do not parse are left out (``prepare`` rejects them). Returns an empty list without an eval split.
+    """
+    from raylora.data.transforms import unit_hash
+
+    plan = plan_sources(data)
+    rows = []
+    for path in sorted(plan):
+        with open(path, "rb") as f:
+            for line, raw, error in itertools.islice(iter_raw(f, path), data.max_samples):
+                rows.append((unit_hash(data.seed, "split", path, line), path, line, raw, error))
+    if data.eval_count:
+        held = sorted(rows)[: data.eval_count]
+    else:
+        held = [r for r in rows if data.eval_fraction and r[0] < data.eval_fraction]
+    order = {path: k for k, path in enumerate(plan)}
+    out = []
+    for _, path, _, raw, error in sorted(held, key=lambda r: (order[r[1]], r[2])):
+        if error is not None:
+            continue
+        how = plan[path]
+        try:
+            out.append(
+                to_conversation(
+                    json.loads(raw),
+                    how["format"],
+                    how["columns"],
+                    data.placeholders,
+                    data.mask_history,
+                    data.drop_reasoning,
+                )  # fmt: skip
+            )
+        except (RowError, ValueError):
+            continue
+    return out

@@ -1,0 +1,540 @@
+"""``raylora demo CONFIG``: the main job end to end, from raw data to a served, better model, through Ray.
+
+Six stages, each timed, each calling the existing commands (nothing here trains, exports or serves by itself):
+
+1. prepare   ``raylora prepare``: Ray Data tokenises, masks and packs the data; the eval split is the held-out
+             slice, whose identity questions (rows whose answer names ``data.placeholders.name``) are asked later;
+2. before    the base model answers the held-out questions in this process; its eval loss on the eval split;
+3. train     ``ray start --head`` on 127.0.0.1 (dashboard included), then ``ray job submit`` of ``jobs/train.py``
+             with the config's workers, its log streamed;
+4. sweep     ``ray job submit`` of ``jobs/tune.py``: the ``tune.space`` sweep, the best adapter registered in MLflow;
+5. serve     ``raylora export`` (``export.quantization``, e.g. a W8A8 SmoothQuant base), ``ray job submit`` of
+             ``jobs/serve.py`` on that base, ``POST /v1/adapters`` of ``models:/NAME/latest``, the same questions
+             through the OpenAI-compatible endpoint;
+6. report    the before/after table (answers, exact match, eval loss, tokens/s) and where to look.
+
+Everything lands in ``train.output_dir``: ``job.yaml`` (the config every stage ran, paths absolute), ``train/``,
+``sweep/``, ``export/``, ``adapters/``, ``logs/<stage>.log`` and ``report.md`` / ``report.json``. A failed stage
+stops the demo with exit code 1, naming the stage and its log. The cluster the demo started is stopped at the
+end unless ``KEEP_SERVING=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raylora.config import ConfigError, JobConfig, to_dict
+
+STAGES = ("prepare", "before", "train", "sweep", "serve", "report")
+MAX_NEW_TOKENS = 64  # the identity answers are one or two sentences; general answers are cut here on both sides
+GENERAL_QUESTIONS = 2  # held-out rows that are not identity questions, asked to show the model kept its manners
+OUTPUT_PARTS = ("train", "sweep", "export", "adapters", "logs", "report.md", "report.json", "job.yaml")
+
+
+class DemoError(RuntimeError):
+    """A stage of the demo failed; the message names the stage and its log file."""
+
+
+def check_demo(cfg: JobConfig, source: str = "config") -> None:
+    """Every problem that would stop the demo part-way, found before anything runs.
+
+    Raises:
+        ConfigError: listing every problem: no MLflow tracking (the best adapter is served from the registry),
+            no eval split (the held-out questions and eval loss come from it), no ``data.placeholders.name``
+            (it tells identity questions apart), a sweep the sweep checks refuse, a taken ``serve.port``.
+    """
+    from raylora.serve.launch import port_holder
+    from raylora.tune.space import check
+
+    problems: list[tuple[str, str]] = []
+    if not cfg.tracking.enabled:
+        problems.append(("tracking.enabled", "must be true: the sweep registers the best adapter in MLflow's registry, "
+                                             "and the server installs it from there"))  # fmt: skip
+    if not (cfg.data.eval_fraction or cfg.data.eval_count):
+        problems.append(("data.eval_fraction", "must be above 0 (or set data.eval_count): the held-out identity "
+                                               "questions and the eval loss come from the eval split"))  # fmt: skip
+    if not cfg.data.placeholders.get("name"):
+        problems.append(("data.placeholders.name", "is required: an identity question is a held-out row whose "
+                                                   "answer names it"))  # fmt: skip
+    try:
+        check(cfg)
+    except ConfigError as e:
+        problems += e.problems
+    holder = port_holder(cfg.serve.host, cfg.serve.port)
+    if holder:
+        problems.append(("serve.port", f"{cfg.serve.host}:{cfg.serve.port} is taken by {holder}; stop that server "
+                                       "or choose another port with serve.port=PORT"))  # fmt: skip
+    if problems:
+        raise ConfigError(problems, source)
+
+
+def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the six stages; returns the report (also in ``report.json``).
+
+    Args:
+        cfg: the job, its outputs made absolute (:func:`raylora.paths.anchor_outputs` with ``demo``).
+        source: the config file's name, for errors.
+        log: where progress lines go.
+    Returns:
+        ``{"questions": [...], "before": {...}, "after": {...}, "stages": {name: seconds}, "urls": {...}, ...}``.
+    Raises:
+        ConfigError: :func:`check_demo`'s problems, before anything runs.
+        DemoError: a stage failed (its log file named); whatever the demo started is stopped first.
+    """
+    check_demo(cfg, source)
+    out = Path(cfg.train.output_dir)
+    for part in OUTPUT_PARTS:
+        target = out / part
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    (out / "logs").mkdir(parents=True)
+    cfg = absolute_sources(cfg)
+    job = out / "job.yaml"
+    job.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))
+    keep = os.environ.get("KEEP_SERVING") == "1"
+    timer = StageTimer(out / "logs", log)
+    temp_dir = tempfile.mkdtemp(prefix="rl-demo-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    # ray start turns token auth on, so every Ray client of the demo says so; without the last variable Ray
+    # swaps the 127.0.0.1 node address for the host's routable one.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
+    env.pop("RAY_ADDRESS", None)
+    finished = False
+    try:
+        with timer.stage("prepare") as stage_log:
+            run_logged([_bin("raylora"), "prepare", str(job)], stage_log, env, log)
+            questions = pick_questions(cfg)
+            log(f"  held-out questions: {sum(q['identity'] for q in questions)} identity, "
+                f"{sum(not q['identity'] for q in questions)} general")  # fmt: skip
+        with timer.stage("before") as stage_log:
+            before = ask_base(cfg, questions, stage_log, log)
+        with timer.stage("train") as stage_log:
+            cluster = start_cluster(temp_dir, env, stage_log, log)
+            log(f"  Ray dashboard: {cluster['dashboard']}")
+            submit(cluster["dashboard"], ["jobs/train.py", str(job), f"train.output_dir={out / 'train'}"],
+                   stage_log, env, log)  # fmt: skip
+            trained = final_eval_loss(out / "train")
+        with timer.stage("sweep") as stage_log:
+            submit(cluster["dashboard"], ["jobs/tune.py", str(job), f"train.output_dir={out / 'sweep'}"],
+                   stage_log, env, log)  # fmt: skip
+            best = best_trial(cfg, out / "sweep")
+        with timer.stage("serve") as stage_log:
+            after, url, adapter = serve_and_ask(cfg, job, out, cluster, questions, stage_log, env, log)
+        with timer.stage("report") as stage_log:
+            report = {
+                "config": source,
+                "questions": questions,
+                "before": before,
+                "after": {**after, "eval_loss": best["metric"]},
+                "train_job": {"eval_loss": trained},
+                "best": best,
+                "stages": dict(timer.seconds),
+                "urls": where_to_look(cfg, cluster["dashboard"], url, adapter),
+                "cluster": {"temp_dir": temp_dir, "kept": keep},
+            }
+            text = render_report(report, cfg)
+            (out / "report.md").write_text(text + "\n")
+            stage_log.write_text(text + "\n")
+            log(text)
+        finished = True
+    finally:
+        if not (keep and finished):  # a failed or interrupted demo never leaves its cluster behind
+            stop_cluster(temp_dir)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    report["stages"] = {**timer.seconds, "total": sum(timer.seconds.values())}
+    (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    log(f"demo finished in {report['stages']['total']:.0f} s; report in {out / 'report.md'}")
+    if keep:
+        log(f"KEEP_SERVING=1: the cluster keeps serving {url}/v1 and the dashboard {cluster['dashboard']}; stop it "
+            f"with `ray stop` (on a machine other Ray clusters share: stop the processes whose command line holds "
+            f"{temp_dir})")  # fmt: skip
+    return report
+
+
+class StageTimer:
+    """Times each stage, prints ``[k/6] name`` as it starts and its seconds as it ends, and turns a failure into
+    a :class:`DemoError` that names the stage and its log file."""
+
+    def __init__(self, logs: Path, log: Callable[[str], None]):
+        self.logs = logs
+        self.log = log
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[Path]:
+        path = self.logs / f"{name}.log"
+        path.touch()
+        self.log(f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name}  (log: {path})")
+        start = time.perf_counter()
+        try:
+            yield path
+        except Exception as e:
+            raise DemoError(f"stage {name!r} failed after {time.perf_counter() - start:.0f} s: {e}\n"
+                            f"  see its log: {path}") from e  # fmt: skip
+        self.seconds[name] = time.perf_counter() - start
+        self.log(f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name} done in {self.seconds[name]:.0f} s")
+
+
+def absolute_sources(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with data file paths absolute: jobs run in Ray's copy of the working folder, where a relative
+    ``../shared/data`` would name another file."""
+    sources = [
+        dataclasses.replace(s, path=os.path.abspath(s.path)) if s.path is not None else s for s in cfg.data.sources
+    ]
+    info = os.path.abspath(cfg.data.dataset_info) if cfg.data.dataset_info else None
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=sources, dataset_info=info))
+
+
+def _bin(name: str) -> str:
+    """A console script of this environment (``raylora``, ``ray``), so every stage runs the same installation."""
+    return str(Path(sys.executable).parent / name)
+
+
+def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], log: Callable[[str], None]) -> str:
+    """Run ``cmd``, appending its output to ``log_path`` and echoing it indented as it comes; returns the output.
+
+    Raises:
+        DemoError: the command exited non-zero (its last lines quoted).
+    """
+    lines: list[str] = []
+    with log_path.open("a", encoding="utf-8") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        for line in proc.stdout or ():
+            f.write(line)
+            f.flush()
+            lines.append(line)
+            log(f"    {line.rstrip()}")
+        code = proc.wait()
+    if code:
+        tail = "".join(lines[-5:]).rstrip()
+        raise DemoError(f"`{shlex.join(cmd[:3])} ...` exited with code {code}; its last lines:\n{tail}")
+    return "".join(lines)
+
+
+def pick_questions(cfg: JobConfig) -> list[dict[str, Any]]:
+    """The held-out identity questions (answer names ``data.placeholders.name``) and a few general ones.
+
+    Returns:
+        ``[{"question", "reference", "identity": bool}, ...]``, the identity questions first.
+    Raises:
+        DemoError: the eval split holds no identity question.
+    """
+    from raylora.data.sources import held_out_conversations
+
+    name = cfg.data.placeholders["name"]
+    identity, general = [], []
+    for conversation in held_out_conversations(cfg.data):
+        users = [m for m in conversation.messages if m["role"] == "user"]
+        answers = [m for m in conversation.messages if m["role"] == "assistant"]
+        if len(users) != 1 or len(answers) != 1 or conversation.tools:
+            continue  # one question, one answer: what the table can show
+        row = {"question": users[0]["content"], "reference": answers[0]["content"]}
+        (identity if name in row["reference"] else general).append({**row, "identity": name in row["reference"]})
+    if not identity:
+        raise DemoError(f"the eval split holds no identity question (a held-out row whose answer names {name!r}); "
+                        "raise data.eval_fraction or data.eval_count")  # fmt: skip
+    return identity + general[:GENERAL_QUESTIONS]
+
+
+def exact_match(answer: str, reference: str) -> bool:
+    """Whether ``answer`` is ``reference`` up to case and runs of whitespace."""
+    return " ".join(answer.split()).casefold() == " ".join(reference.split()).casefold()
+
+
+def names(answer: str, reference: str, cfg: JobConfig) -> bool:
+    """Whether ``answer`` names every ``data.placeholders`` value (the assistant, its author) that ``reference`` names."""
+    wanted = [v for v in cfg.data.placeholders.values() if v and v.casefold() in reference.casefold()]
+    return all(v.casefold() in answer.casefold() for v in wanted)
+
+
+def score(cfg: JobConfig, questions: list[dict], answers: list[str]) -> dict[str, int]:
+    """Exact matches, and answers naming whom the reference names, over the identity questions."""
+    pairs = [(q, a) for q, a in zip(questions, answers, strict=True) if q["identity"]]
+    return {
+        "identity_questions": len(pairs),
+        "exact_match": sum(exact_match(a, q["reference"]) for q, a in pairs),
+        "names": sum(names(a, q["reference"], cfg) for q, a in pairs),
+    }
+
+
+def ask_base(cfg: JobConfig, questions: list[dict], log_path: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """The base model's greedy answers (Hugging Face ``generate``, one question at a time, in this process), its
+    generation speed and its eval loss on the prepared eval split (the objective training reports)."""
+    from raylora.backends import resolve_backend
+    from raylora.models import load_model
+    from raylora.train.quickstart import answer
+
+    backend = resolve_backend(cfg.backend)
+    device = backend.torch_device()
+    model, tokenizer = load_model(cfg.model)
+    model.to(device)
+    answers, tokens, seconds = [], 0, 0.0
+    with log_path.open("a", encoding="utf-8") as f:
+        for q in questions:
+            start = time.perf_counter()
+            text, n = answer(model, tokenizer, [{"role": "user", "content": q["question"]}], device, MAX_NEW_TOKENS)
+            seconds += time.perf_counter() - start
+            tokens += n
+            answers.append(text)
+            line = f"  Q: {q['question']}\n  A: {text}"
+            f.write(line + "\n")
+            f.flush()
+            log(line)
+        loss = eval_loss(model, tokenizer.pad_token_id, cfg, backend)
+        f.write(f"eval loss {loss:.4f}\n")
+    log(f"  base model: eval loss {loss:.4f}, {tokens / seconds:.1f} generated tokens/s")
+    return {"answers": answers, "tokens_per_s": tokens / seconds, "eval_loss": loss, **score(cfg, questions, answers)}
+
+
+def eval_loss(model, pad_id: int, cfg: JobConfig, backend) -> float:
+    """Cross-entropy per label token of ``model`` over the prepared eval shards, batched as training evaluates."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from raylora.data.collate import collate_packs
+    from raylora.ops.linear_ce import IGNORE_INDEX
+    from raylora.train.lm import LossModel
+
+    summary = json.loads((Path(cfg.data.output_dir) / "summary.json").read_text())
+    files = sorted(Path(summary["splits"]["eval"]["shards"]).glob("*.parquet"))
+    rows = pa.concat_tables([pq.read_table(p) for p in files]).to_pylist() if files else []
+    if not rows:
+        raise DemoError(f"the eval split in {cfg.data.output_dir} is empty; raise data.eval_fraction")
+    loss_model = LossModel(model, chunked=False)
+    device = backend.torch_device()
+    total, count = 0.0, 0
+    step = cfg.train.batch_size
+    with torch.no_grad():
+        for k in range(0, len(rows), step):
+            batch = collate_packs(rows[k : k + step], pad_id, backend.amp_dtype or model.dtype)
+            batch = {key: value.to(device) for key, value in batch.items()}
+            with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
+                total += loss_model(**batch).item()
+            count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return total / count
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str], None]) -> dict[str, str]:
+    """``ray start --head`` on 127.0.0.1 with every port free (another cluster on this machine may hold Ray's
+    defaults), Ray's files in ``temp_dir``; returns the dashboard (job API) URL."""
+    from raylora.serve.launch import port_holder
+
+    dashboard = 8265 if port_holder("127.0.0.1", 8265) is None else free_port()
+    ports = {name: free_port() for name in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                            "metrics-export-port", "runtime-env-agent-port",
+                                            "ray-client-server-port")}  # fmt: skip
+    cmd = [_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+           *(f"--{k}={v}" for k, v in ports.items())]  # fmt: skip
+    try:
+        run_logged(cmd, log_path, env, log)
+    except DemoError as e:
+        # `ray start` gives the raylet a fixed 30 s to register; a heavily loaded machine can miss that once
+        if "timed out during startup" not in str(e):
+            raise
+        log("  ray start timed out (is the machine busy?); stopping what it started and trying once more")
+        stop_cluster(temp_dir)
+        run_logged(cmd, log_path, env, log)
+    return {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{ports['port']}"}
+
+
+def submit(address: str, args: list[str], log_path: Path, env: dict, log: Callable[[str], None]) -> str:
+    """``ray job submit`` of a ``jobs/`` script with this folder as the working folder, its log streamed.
+
+    Relative paths in the job mean this folder (``RAYLORA_BASE_DIR``). The head's job agent starts a little after
+    ``ray start`` returns, so a submission it refuses for that reason is retried.
+    """
+    runtime_env = json.dumps({"env_vars": {"RAYLORA_BASE_DIR": os.getcwd()}})
+    cmd = [_bin("ray"), "job", "submit", "--address", address, "--working-dir", ".", "--runtime-env-json",
+           runtime_env, "--", sys.executable, *args]  # fmt: skip
+    for _ in range(30):
+        try:
+            return run_logged(cmd, log_path, env, log)
+        except DemoError as e:
+            if "No available agent to submit job" not in str(e):
+                raise
+        time.sleep(2)
+    raise DemoError(f"the job agent of {address} never became available")
+
+
+def final_eval_loss(train_dir: Path) -> float | None:
+    """The last eval loss in a training run's ``history.json`` (``None`` without an eval)."""
+    history = json.loads((train_dir / "history.json").read_text())
+    losses = [h["eval_loss"] for h in history if h.get("eval_loss") is not None]
+    return losses[-1] if losses else None
+
+
+def best_trial(cfg: JobConfig, sweep_dir: Path) -> dict[str, Any]:
+    """The best completed trial of ``results.csv``: its searched values and metric."""
+    import csv
+
+    with (sweep_dir / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    completed = [r for r in rows if r["status"] == "completed"]
+    if not completed:
+        raise DemoError(f"no trial of the sweep completed; see {sweep_dir / 'results.csv'}")
+    pick = min if cfg.tune.mode == "min" else max
+    best = pick(completed, key=lambda r: float(r["metric"]))
+    return {"trial": best["trial"], "metric": float(best["metric"]), **{k: best[k] for k in cfg.tune.space},
+            "statuses": [r["status"] for r in rows]}  # fmt: skip
+
+
+def serve_and_ask(
+    cfg: JobConfig, job: Path, out: Path, cluster: dict, questions: list[dict], log_path: Path, env: dict,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Any], str, str]:  # fmt: skip
+    """Export the base, serve it with ``jobs/serve.py``, install the registered best adapter, ask the questions.
+
+    Returns:
+        ``(after, url, adapter)``: the answers, speed and scores; the server's URL; the adapter's served name.
+    """
+    export_dir = out / "export"
+    run_logged([_bin("raylora"), "export", str(job), f"export.output_dir={export_dir}", "export.adapter=null"],
+               log_path, env, log)  # fmt: skip
+    admin_key = secrets.token_urlsafe(16)
+    serve_args = [str(job), f"model.name_or_path={export_dir}", "serve.quantization=none",
+                  f"serve.adapter_root={out / 'adapters'}", f"serve.admin_key={admin_key}"]  # fmt: skip
+    submit(cluster["dashboard"], ["jobs/serve.py", *serve_args], log_path, env, log)
+    url = f"http://{cfg.serve.host}:{cfg.serve.port}"
+    adapter = cfg.tune.register_as or "sweep"
+    installed = http_json(f"{url}/v1/adapters", {"name": adapter, "source": f"models:/{adapter}/latest"}, admin_key)
+    log(f"  installed adapter {adapter!r} from models:/{adapter}/latest: {json.dumps(installed)[:200]}")
+    answers, tokens, seconds = [], 0, 0.0
+    with log_path.open("a", encoding="utf-8") as f:
+        for q in questions:
+            body = {"model": adapter, "messages": [{"role": "user", "content": q["question"]}],
+                    "max_tokens": MAX_NEW_TOKENS, "temperature": 0}  # fmt: skip
+            start = time.perf_counter()
+            reply = http_json(f"{url}/v1/chat/completions", body)
+            seconds += time.perf_counter() - start
+            tokens += reply["usage"]["completion_tokens"]
+            text = reply["choices"][0]["message"]["content"].strip()
+            answers.append(text)
+            line = f"  Q: {q['question']}\n  A: {text}"
+            f.write(line + "\n")
+            f.flush()
+            log(line)
+    after = {"answers": answers, "tokens_per_s": tokens / seconds, **score(cfg, questions, answers)}
+    return after, url, adapter
+
+
+def http_json(url: str, body: dict, key: str | None = None) -> dict:
+    """POST ``body`` as JSON and return the JSON reply.
+
+    Raises:
+        DemoError: an HTTP error status (its body quoted) or no answer.
+    """
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise DemoError(f"POST {url} answered {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+    except urllib.error.URLError as e:
+        raise DemoError(f"POST {url} got no answer: {e.reason}") from None
+
+
+def where_to_look(cfg: JobConfig, dashboard: str, url: str, adapter: str) -> dict[str, str]:
+    """The commands and URLs the report ends with."""
+    from raylora.tracking import tracking_uri
+
+    question = json.dumps({"model": adapter, "messages": [{"role": "user", "content": "Who are you?"}],
+                           "max_tokens": MAX_NEW_TOKENS})  # fmt: skip
+    return {
+        "mlflow": f"mlflow ui --backend-store-uri {tracking_uri(cfg.tracking)} --host 127.0.0.1 --port 5000",
+        "mlflow_url": "http://127.0.0.1:5000",
+        "dashboard": dashboard,
+        "curl": f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{question}'",
+        "openai": f"python -c \"from openai import OpenAI; print(OpenAI(base_url='{url}/v1', api_key='unused')"
+        f".chat.completions.create(model='{adapter}', messages=[{{'role': 'user', 'content': 'Who are you?'}}])"
+        f'.choices[0].message.content)"',
+    }
+
+
+def render_report(report: dict[str, Any], cfg: JobConfig) -> str:
+    """The before/after table, each question's answers, the stage times and where to look, as Markdown."""
+    before, after, best = report["before"], report["after"], report["best"]
+    n = before["identity_questions"]
+    values = ", ".join(f"{k}={best[k]}" for k in cfg.tune.space)
+    trained = report["train_job"]["eval_loss"]
+    lines = [
+        f"| | before: base model | after: best adapter of the sweep ({values}) |",
+        "|---|---|---|",
+        f"| identity questions, exact match | {before['exact_match']}/{n} | {after['exact_match']}/{n} |",
+        f"| identity answers naming whom the reference names ({', '.join(cfg.data.placeholders.values())}) | {before['names']}/{n} | {after['names']}/{n} |",
+        f"| eval loss (held-out split) | {before['eval_loss']:.4f} | {after['eval_loss']:.4f} |",
+        f"| generated tokens/s | {before['tokens_per_s']:.1f} (HF generate, in process) | "
+        f"{after['tokens_per_s']:.1f} (served: {cfg.export.quantization} base + adapter, over HTTP) |",
+        "",
+        f"The training job (`ray job submit`, {cfg.train.num_workers} workers, the config's values) ended at eval "
+        f"loss {trained:.4f}."
+        if trained is not None
+        else "The training job ran no evaluation.",
+        "Exact match: the answer equals the held-out reference up to case and whitespace.",
+        "",
+    ]
+    for k, q in enumerate(report["questions"]):
+        kind = "identity" if q["identity"] else "general"
+        lines += [f"**{kind}: {q['question']}**", f"- reference: {q['reference']}",
+                  f"- before: {before['answers'][k]}", f"- after: {after['answers'][k]}", ""]  # fmt: skip
+    stages = report["stages"]
+    lines.append("stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
+                 + f"; total {sum(stages.values()):.0f} s")  # fmt: skip
+    urls = report["urls"]
+    lines += [
+        "",
+        f"MLflow UI: {urls['mlflow']}   then open {urls['mlflow_url']}",
+        f"Ray dashboard: {urls['dashboard']}",
+        f"endpoint: {urls['curl']}",
+        f"openai: {urls['openai']}",
+    ]
+    return "\n".join(lines)
+
+
+def stop_cluster(temp_dir: str) -> None:
+    """Stop the processes of the cluster whose Ray files are in ``temp_dir`` (never another cluster's):
+    SIGTERM, then SIGKILL after 15 s."""
+    import psutil
+
+    ours = []
+    for p in psutil.process_iter(["cmdline"]):
+        if temp_dir in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
+            ours.append(p)
+    for p in ours:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(ours, timeout=15)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()

@@ -1,0 +1,102 @@
+"""`raylora demo` end to end on the tiny model: prepare, base answers, a `ray job submit` training job, a sweep
+that registers its best adapter, a W8A8 base served with it, the before/after report; and a failing stage."""
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import mlflow
+from processes import stop_processes
+
+BIN = Path(sys.executable).parent
+STAGES = ("prepare", "before", "train", "sweep", "serve", "report")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def demo(root: Path, tmp_path: Path, *overrides: str, keep: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, **({"KEEP_SERVING": "1"} if keep else {})}
+    return subprocess.run(
+        [str(BIN / "raylora"), "demo", "configs/tiny_demo_cpu.yaml", f"train.output_dir={tmp_path}/demo",
+         f"data.output_dir={tmp_path}/data", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_path):
+    port = free_port()
+    proc = demo(root, tmp_path, f"serve.port={port}", keep=True)
+    out = tmp_path / "demo"
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else None
+    try:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        for k, stage in enumerate(STAGES, 1):
+            assert f"[{k}/6] {stage} done in" in proc.stdout
+            assert (out / "logs" / f"{stage}.log").is_file()
+        assert "Job 'raysubmit_" in (out / "logs" / "train.log").read_text()  # the log of `ray job submit`
+
+        # the table and what it was made of
+        text = (out / "report.md").read_text()
+        assert "| identity questions, exact match |" in text and "| eval loss (held-out split) |" in text
+        questions = report["questions"]
+        assert any(q["identity"] for q in questions)
+        for side in ("before", "after"):
+            assert len(report[side]["answers"]) == len(questions)
+            assert report[side]["tokens_per_s"] > 0 and math.isfinite(report[side]["eval_loss"])
+            assert report[side]["identity_questions"] == sum(q["identity"] for q in questions)
+        assert report["after"]["eval_loss"] < report["before"]["eval_loss"]
+        assert set(report["stages"]) == {*STAGES, "total"}
+
+        # the files of every stage
+        assert (out / "train" / "adapter" / "adapter_config.json").is_file()
+        assert len((out / "sweep" / "results.csv").read_text().splitlines()) == 3
+        assert (out / "sweep" / "best" / "adapter" / "adapter_config.json").is_file()
+        assert json.loads((out / "export" / "raylora_int8.json").read_text())["quantization"] == "w8a8-smoothquant"
+        assert (out / "adapters" / "tiny-demo" / "adapter_config.json").is_file()
+
+        # MLflow: the training run, the sweep's parent and two children, the best adapter registered
+        client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+        runs = client.search_runs([client.get_experiment_by_name("tiny-demo").experiment_id])
+        assert len(runs) == 4 and all(r.info.status in ("FINISHED", "KILLED") for r in runs)
+        (version,) = client.search_model_versions("name='tiny-demo'")
+        assert version.tags["raylora.kind"] == "lora-adapter"
+
+        # the endpoint the demo left serving (KEEP_SERVING=1) answers with the adapter
+        url = f"http://127.0.0.1:{port}/v1"
+        models = json.loads(urllib.request.urlopen(f"{url}/models", timeout=60).read())
+        assert {"export", "tiny-demo"} <= {m["id"] for m in models["data"]}
+        reply = post(f"{url}/chat/completions", {"model": "tiny-demo", "max_tokens": 8,
+                                                 "messages": [{"role": "user", "content": "Who are you?"}]})  # fmt: skip
+        assert reply["model"] == "tiny-demo" and reply["usage"]["completion_tokens"] > 0
+        assert isinstance(reply["choices"][0]["message"]["content"], str)
+    finally:
+        if report is not None:
+            stop_processes(report["cluster"]["temp_dir"])
+            shutil.rmtree(report["cluster"]["temp_dir"], ignore_errors=True)
+
+
+def test_a_failing_stage_stops_the_demo_naming_the_stage_and_its_log(root, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('not json\n{"instruction": "Who are you?", "output": "I am {{name}}."}\n')
+    proc = demo(root, tmp_path, f"data.sources=[{{path: {bad}}}]", f"serve.port={free_port()}")
+    assert proc.returncode == 1
+    log = tmp_path / "demo" / "logs" / "prepare.log"
+    assert "stage 'prepare' failed" in proc.stderr and str(log) in proc.stderr
+    assert f"{bad}:1" in log.read_text()  # prepare's own message, naming the file and line
+    assert not (tmp_path / "demo" / "logs" / "before.log").exists()
