@@ -20,7 +20,7 @@ from raylora.config import DataArgs, JobConfig, to_dict
 from raylora.data.datasource import RawRowsDatasource
 from raylora.data.encode import TokenizerSpec, tokenizer_spec
 from raylora.data.sources import DataError, plan_sources
-from raylora.data.transforms import encode_batch, pack_batch, select_split, unit_hash, worker_spec, write_shard
+from raylora.data.transforms import encode_batch, pack_batch, select_split, split_draw, worker_spec, write_shard
 from raylora.model_files import load_tokenizer
 
 BLOCK_BYTES = 8 << 20
@@ -200,7 +200,7 @@ def _eval_keys(cfg: JobConfig, plan: dict) -> frozenset:
     reader = RawRowsDatasource(sorted(plan), max_rows_per_file=cfg.data.max_samples)
     raw = ray.data.read_datasource(reader, override_num_blocks=len(plan))
     keys = raw.select_columns(["source", "line"]).take_all()
-    ranked = sorted(keys, key=lambda k: unit_hash(cfg.data.seed, "split", k["source"], k["line"]))
+    ranked = sorted(keys, key=lambda k: split_draw(cfg.data.seed, k["source"], k["line"]))
     return frozenset((k["source"], k["line"]) for k in ranked[: cfg.data.eval_count])
 
 

@@ -133,18 +133,18 @@ def sample_token_ids(data: DataArgs, tokenizer, n: int, skip: int = 0) -> list[l
 def held_out_conversations(data: DataArgs) -> list[Conversation]:
     """The rows ``raylora prepare`` puts in the eval split, as conversations, in file order.
 
-    The same rule as the pipeline: a row is held out when its seeded hash of ``(file, line)`` falls under
+    The same rule as the pipeline: a row is held out when its seeded hash of ``(file name, line)`` falls under
     ``data.eval_fraction``, or, with ``data.eval_count``, when it is among the rows with the smallest hashes.
     Rows that do not parse are left out (``prepare`` rejects them). Returns an empty list without an eval split.
     """
-    from raylora.data.transforms import unit_hash
+    from raylora.data.transforms import split_draw
 
     plan = plan_sources(data)
     rows = []
     for path in sorted(plan):
         with open(path, "rb") as f:
             for line, raw, error in itertools.islice(iter_raw(f, path), data.max_samples):
-                rows.append((unit_hash(data.seed, "split", path, line), path, line, raw, error))
+                rows.append((split_draw(data.seed, path, line), path, line, raw, error))
     if data.eval_count:
         held = sorted(rows)[: data.eval_count]
     else:

@@ -45,6 +45,14 @@ def worker_spec(data: DataArgs, tokenizer: TokenizerSpec) -> str:
     return json.dumps({"data": to_dict(data), "tokenizer": tokenizer.to_dict()})
 
 
+def split_draw(seed: int, source: str, line: int) -> float:
+    """The seeded draw deciding whether row ``line`` of ``source`` is held out for evaluation.
+
+    Keyed by the file's name, not its path, so a clone or a moved data folder holds out the same rows.
+    """
+    return unit_hash(seed, "split", Path(source).name, line)
+
+
 def unit_hash(*parts: Any) -> float:
     """A stable pseudo-random number in [0, 1) for a row (Python's ``hash`` differs between processes)."""
     digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
@@ -108,10 +116,10 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
             row_split = "eval" if key in eval_keys else "train"
         else:
             row_split = (
-                "eval" if data.eval_fraction and unit_hash(data.seed, "split", *key) < data.eval_fraction else "train"
+                "eval" if data.eval_fraction and split_draw(data.seed, *key) < data.eval_fraction else "train"
             )
         weight = plan[r["source"]]["weight"]
-        copies = int(weight) + (weight != int(weight) and unit_hash(data.seed, "weight", *key) < weight - int(weight))
+        copies = int(weight) + (weight != int(weight) and unit_hash(data.seed, "weight", Path(r["source"]).name, r["line"]) < weight - int(weight))
         take += [j] * copies
         split += [row_split] * copies
     _write_side(Path(side_dir), rows, rejects, len(take))

@@ -46,7 +46,7 @@ def test_held_out_rows_are_the_rows_the_pipeline_puts_in_the_eval_split(split, t
     (tmp_path / "counts").mkdir()
     eval_keys = None
     if cfg.data.eval_count:  # the pipeline ranks every row by the same seeded hash (its _eval_keys, without Ray)
-        from raylora.data.transforms import unit_hash
+        from raylora.data.transforms import split_draw
 
         keys = []
         for path in plan:
@@ -54,7 +54,7 @@ def test_held_out_rows_are_the_rows_the_pipeline_puts_in_the_eval_split(split, t
                 keys += [
                     (path, line) for block in iter_blocks(f, path, None) for line in block.column("line").to_pylist()
                 ]
-        keys.sort(key=lambda k: unit_hash(cfg.data.seed, "split", *k))
+        keys.sort(key=lambda k: split_draw(cfg.data.seed, *k))
         eval_keys = frozenset(keys[: cfg.data.eval_count])
     encoded = []
     for path in plan:
@@ -74,6 +74,19 @@ def test_pick_questions_puts_identity_questions_first_and_fills_placeholders():
     assert identity and questions[: len(identity)] == identity
     assert all("Raylora Assistant" in q["reference"] and "{{" not in q["reference"] for q in identity)
     assert len(questions) - len(identity) <= 2
+
+
+@pytest.mark.parametrize("split", [["data.eval_fraction=0.25"], ["data.eval_fraction=0", "data.eval_count=5"]])
+def test_the_held_out_rows_do_not_depend_on_where_the_data_lies(split, tmp_path):
+    source = ROOT / "data" / "raylora_identity.jsonl"
+    held = []
+    for folder in ("clone-a", "elsewhere/clone-b"):
+        (tmp_path / folder).mkdir(parents=True)
+        copy = tmp_path / folder / source.name
+        copy.write_bytes(source.read_bytes())
+        cfg = load_config(TINY_DEMO, [*split, f"data.sources=[{{path: {copy}}}]"])
+        held.append(held_out_conversations(cfg.data))
+    assert held[0] and held[0] == held[1]
 
 
 def test_pick_questions_fails_without_a_held_out_identity_question():
