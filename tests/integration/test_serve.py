@@ -24,6 +24,7 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 from raylora.registry import register
+from raylora.tracking import experiment_id
 from raylora.serve.launch import APP_NAME, start
 
 KEY, ADMIN = "sk-test-key", "admin-test-key"
@@ -315,8 +316,10 @@ def test_register_adapters_from_a_training_folder_and_from_mlflow(server, client
 
     uri = server["cfg"].tracking.uri
     mlflow.set_tracking_uri(uri)
-    with mlflow.start_run() as run:
+    experiment = experiment_id(mlflow.MlflowClient(uri), uri, "serve-test")  # artifacts beside the store
+    with mlflow.start_run(experiment_id=experiment) as run:
         mlflow.log_artifacts(str(trained), "adapter")
+    assert run.info.artifact_uri.startswith((server["tmp"] / "mlartifacts").as_uri())
     r = _post(server, "/v1/adapters", {"name": "from-run", "source": f"runs:/{run.info.run_id}/adapter"}, key=ADMIN)
     assert r.status_code == 201
     register(uri, "registered-identity", f"runs:/{run.info.run_id}/adapter")
