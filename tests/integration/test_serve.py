@@ -24,8 +24,8 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 from raylora.registry import register
-from raylora.tracking import experiment_id
 from raylora.serve.launch import APP_NAME, start
+from raylora.tracking import experiment_id
 
 KEY, ADMIN = "sk-test-key", "admin-test-key"
 QUESTION = [{"role": "user", "content": "Who are you?"}]
