@@ -14,11 +14,13 @@ MFU = 4 * N * real tokens/s / matmul peak: N is the base model's parameter count
 the input gradients; a frozen base computes no weight gradients), attention's own FLOPs are left out, and the
 peak is a 2048^3 GEMM in the run's precision measured by this script just before the runs.
 
-Until Ray Data's reading no longer reserves a whole CPU (raylora/train/fit.py READ_CPUS), a single worker on a
-2-core machine would get one torch thread: this script starts Ray with one logical CPU more than the machine has
-so that our worker takes every core (train.cpus_per_worker = cores), as the baseline's process does.
+Our single worker takes every core (train.cpus_per_worker = cores), as the baseline's process does: training reads
+the prepared shards from Ray's object store, with no Ray Data task asking for a CPU. The load averages before and
+after the runs are printed: on a shared machine, quote figures only with them.
+With --profile, one more run of the shipped configuration with train.profile=true prints its top operators.
 
     .venv/bin/python bench/train_throughput.py [--size smollm2|tiny|both] [--hf-steps 12] [--skip-recompute] [--skip-compile]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def run_hf(size: str, precision: str, steps: int) -> dict:
     }  # fmt: skip
 
 
-def run_ours(size: str, steps: int, recompute: int, compile_layers: bool, tmp: str) -> dict:
+def run_ours(size: str, steps: int, recompute: int, compile_layers: bool, tmp: str, profile: bool = False) -> dict:
     import ray
     from peft import PeftModel
 
@@ -152,7 +154,7 @@ def run_ours(size: str, steps: int, recompute: int, compile_layers: bool, tmp: s
     from raylora.train.fit import fit
 
     cores = os.cpu_count() or 1
-    ray.init(num_cpus=cores + 1, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True)
+    ray.init(num_cpus=cores, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True)
     cfg = load_config(
         CONFIG,
         [
@@ -160,7 +162,8 @@ def run_ours(size: str, steps: int, recompute: int, compile_layers: bool, tmp: s
             f"data.cutoff_len={CUTOFF}", f"data.output_dir={tmp}/data", f"model.name_or_path={MODELS[size]}",
             "lora.rank=8", "lora.alpha=16", "lora.dropout=0.05", "lora.target_modules=[all-linear]",
             "train.lr=2e-4", "train.scheduler=linear", f"train.max_steps={steps}", "train.batch_size=2",
-            f"train.output_dir={tmp}/run-{recompute}-{compile_layers}", f"train.cpus_per_worker={cores}", "train.log_every=1",
+            f"train.output_dir={tmp}/run-{recompute}-{compile_layers}-{profile}", f"train.cpus_per_worker={cores}",
+            "train.log_every=1", f"train.profile={str(profile).lower()}",
             f"train.recompute_every={recompute}", f"train.seed={SEED}", "tracking.enabled=false",
             f"train.compile={str(compile_layers).lower()}",
         ],
@@ -179,13 +182,14 @@ def run_ours(size: str, steps: int, recompute: int, compile_layers: bool, tmp: s
         "first_step_s": clock[0],
         "eval_loss": eval_loss(adapted, tokenizer),
         "params": params, "threads": cores, "tokens_per_step": 2 * CUTOFF, "train_loss": last["loss"],
+        **({"top_operators": (Path(result["adapter"]).parent / "profile" / "top_operators.txt").read_text()} if profile else {}),
     }  # fmt: skip
 
 
 def child(spec: dict) -> dict:
     if spec["side"] == "hf":
         return run_hf(spec["size"], spec["precision"], spec["steps"])
-    return run_ours(spec["size"], spec["steps"], spec["recompute"], spec["compile"], spec["tmp"])
+    return run_ours(spec["size"], spec["steps"], spec["recompute"], spec["compile"], spec["tmp"], spec["profile"])
 
 
 def launch(spec: dict) -> dict:
@@ -212,7 +216,8 @@ def peaks() -> dict[str, float]:
     return {"fp32": fp32, "bf16": bf16}
 
 
-def bench(size: str, hf_steps: int, recompute: bool, compile_layers: bool) -> None:
+def bench(size: str, hf_steps: int, recompute: bool, compile_layers: bool, profile: bool) -> None:
+    load_before = os.getloadavg()
     peak = peaks()
     print(f"\n== {size} ({MODELS[size]}), {os.cpu_count()} cores; matmul peak measured now: "
           f"fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s (2048^3 GEMM, best of 5 alternated)", flush=True)  # fmt: skip
@@ -233,9 +238,15 @@ def bench(size: str, hf_steps: int, recompute: bool, compile_layers: bool) -> No
         for n, compiled in settings:
             name = "raylora train (shipped config)" if n == 0 else f"raylora train, recompute every {n}"
             name = "raylora train, train.compile=true" if compiled else name
-            spec = {"side": "ours", "size": size, "steps": steps, "recompute": n, "compile": compiled, "tmp": tmp}
+            spec = {"side": "ours", "size": size, "steps": steps, "recompute": n, "compile": compiled, "tmp": tmp,
+                    "profile": False}  # fmt: skip
             runs[name] = launch(spec)
             print(f"  done: {name}: {json.dumps(runs[name])}", flush=True)
+        if profile:
+            spec = {"side": "ours", "size": size, "steps": max(steps, 6), "recompute": 0, "compile": False, "tmp": tmp,
+                    "profile": True}  # fmt: skip
+            profiled = launch(spec)
+    load_after = os.getloadavg()
     print(
         f"baseline: {hf_steps} steps of 4 padded rows; ours: {steps} steps of 2 packed sequences of <= {CUTOFF} tokens"
     )
@@ -265,6 +276,10 @@ def bench(size: str, hf_steps: int, recompute: bool, compile_layers: bool) -> No
         compiled = runs["raylora train, train.compile=true"]
         print(f"torch.compile: steady {compiled['steady_tokens_per_s'] / ours['steady_tokens_per_s']:.2f}x eager; "
               f"first step {compiled['first_step_s']:.0f} s against {ours['first_step_s']:.0f} s (compilation)")  # fmt: skip
+    if profile:
+        print(f"top operators of the shipped configuration (train.profile, steps 3-5):\n{profiled['top_operators']}")
+    print(f"load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
+          f"after: {', '.join(f'{x:.2f}' for x in load_after)} ({os.cpu_count()} cores)")  # fmt: skip
     print(f"padding in the baseline's batches: {runs['HF Trainer + peft, fp32']['padding']:.0%}")
     spread = abs(ours["eval_loss"] - runs["HF Trainer + peft, fp32"]["eval_loss"])
     print(f"eval loss: ours {ours['eval_loss']:.4f}, HF fp32 {runs['HF Trainer + peft, fp32']['eval_loss']:.4f}, "
@@ -277,6 +292,7 @@ def main() -> None:
     parser.add_argument("--hf-steps", type=int, default=12)
     parser.add_argument("--skip-recompute", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="one more profiled run: its top operators")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -285,7 +301,7 @@ def main() -> None:
     if not ALPACA.is_file():
         raise SystemExit(f"{ALPACA} is missing: this benchmark needs the shared alpaca_en samples")
     for size in ("tiny", "smollm2") if args.size == "both" else (args.size,):
-        bench(size, args.hf_steps, not args.skip_recompute, not args.skip_compile)
+        bench(size, args.hf_steps, not args.skip_recompute, not args.skip_compile, args.profile)
 
 
 if __name__ == "__main__":

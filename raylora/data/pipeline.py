@@ -13,8 +13,9 @@ import json
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from raylora.config import DataArgs, JobConfig, to_dict
 from raylora.data.datasource import RawRowsDatasource
@@ -103,6 +104,66 @@ def stream(cfg: JobConfig, side_dir: Path) -> dict[str, Any]:
     # Every worker reads the whole eval set at every evaluation: run the pipeline for it once, now, and keep
     # its (small) packs in Ray's object store rather than reading every raw file again each time.
     return {"train": split("train"), "eval": split("eval").materialize()}
+
+
+class TrainingData(NamedTuple):
+    """What training reads, from :func:`training_data`.
+
+    Attributes:
+        train: ``ray.data.Dataset`` of training packs (columns as :func:`build_dataset`).
+        eval: the eval packs, or ``None`` when the job holds none out.
+        packs: training sequences, or ``None`` when streamed (unknown until training has read them).
+        finish: call after training: returns the data summary (rows read, kept, rejected); for a streamed run it
+            adds up the rejects first, logs them and raises :class:`DataError` above ``data.max_reject_fraction``.
+    """
+
+    train: Any
+    eval: Any | None
+    packs: int | None
+    finish: Callable[[], dict[str, Any]]
+
+
+def training_data(cfg: JobConfig, log=print) -> TrainingData:
+    """The one call from training to the data layer: prepared (or reused) shards, or with ``data.streaming``
+    the lazy pipeline, whose rejects and summary go to ``<train.output_dir>/data``.
+
+    Prepared shards are read here, on the driver, into Ray's object store (one block per shard file), so no
+    Ray Data task runs during training. Ray Data's read tasks (and its file-listing task, whatever
+    ``num_cpus`` the read is given) each ask for a whole CPU: workers holding every CPU, such as two
+    one-CPU trials of a sweep on two cores, would wait forever for their data. Prepared shards are
+    compact token ids (about 12 bytes per token); a corpus too large to hold in memory is streamed instead.
+
+    Raises:
+        DataError: bad sources, or rejected rows above ``data.max_reject_fraction``.
+    """
+    if cfg.data.streaming:
+        side_dir = Path(cfg.train.output_dir).resolve() / "data"
+        datasets = stream(cfg, side_dir)
+        log(f"streaming the data through the pipeline as training reads it; rejects and summary in {side_dir}")
+
+        def finish() -> dict[str, Any]:
+            summary = finish_stream(side_dir, cfg.data)
+            log(
+                f"streamed {summary['rows_read']} rows: kept {summary['rows_kept']}, rejected {summary['rows_rejected']}"
+            )
+            return summary
+
+        return TrainingData(datasets["train"], datasets.get("eval"), None, finish)
+    summary = prepare(cfg, log=log)
+    splits = summary["splits"]
+    return TrainingData(
+        _read_shards(splits["train"]["shards"]),
+        _read_shards(splits["eval"]["shards"]) if splits["eval"]["packs"] else None,
+        splits["train"]["packs"],
+        lambda: summary,
+    )
+
+
+def _read_shards(folder: str):
+    import pyarrow.parquet as pq
+    import ray.data
+
+    return ray.data.from_arrow([pq.read_table(path) for path in sorted(Path(folder).glob("*.parquet"))])
 
 
 def finish_stream(side_dir: Path, data: DataArgs) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """``fit(cfg)``: the driver side of a training job, top to bottom.
 
-check the job → prepare the data (or, with ``data.streaming``, build the lazy pipeline that training
-reads) → open the MLflow run → build and run the TorchTrainer → copy out the adapter, write the loss
-plot and the resolved config → close the MLflow run.
+check what is cheap to check (devices, cluster CPUs, MLflow) → ask the data layer for the training data
+(prepared shards, or with ``data.streaming`` the lazy pipeline) → open the MLflow run → build and run the
+TorchTrainer → copy out the adapter, write the loss plot and the resolved config → close the MLflow run.
 Rerunning a job with the same ``train.output_dir`` resumes from its newest checkpoint, with any
 number of workers.
 """
@@ -20,8 +20,8 @@ from raylora.backends import planned_backend, worker_plan
 from raylora.cluster import ensure_ray
 from raylora.comm.hooks import check_hook
 from raylora.config import JobConfig, to_dict
-from raylora.data.pipeline import DataError, finish_stream, prepare, stream
-from raylora.tracking import finish_run, start_run, tracking_uri
+from raylora.data.pipeline import DataError, TrainingData, training_data
+from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
 from raylora.train.loop import train_worker
 from raylora.train.plot import plot_history
 
@@ -39,34 +39,16 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     Returns:
         ``{"adapter", "steps", "loss", "eval_loss", "run_id", "history"}``.
     Raises:
-        DataError, TrackingError, BackendError: before any worker starts.
+        DataError, TrackingError, BackendError: before any worker starts (all but DataError before any data work).
         TrainingError: the run failed or diverged.
     """
-    check_hook(cfg.train, planned_backend(cfg.backend))  # a missing device, or a hook it cannot run, fails first
     out = Path(cfg.train.output_dir).resolve()
+    check_before_data(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    streamed = stream(cfg, out / "data") if cfg.data.streaming else None
-    splits = None if streamed is not None else prepare_checked(cfg, log)
-    ensure_ray()
-    import ray
-
-    if streamed is not None:
-        # The streamed pipeline tokenises as training reads, in tasks that each take a whole CPU.
-        spare = ray.cluster_resources().get("CPU", 0) - cfg.train.num_workers * cfg.train.cpus_per_worker
-        if spare < READ_CPUS:
-            raise DataError(
-                f"the workers would take {cfg.train.num_workers * cfg.train.cpus_per_worker:g} of the cluster's "
-                f"{ray.cluster_resources().get('CPU', 0):g} CPUs, leaving less than {READ_CPUS:g} for Ray Data to run "
-                "the streamed pipeline, so training would wait forever. Lower train.cpus_per_worker or "
-                "train.num_workers, or prepare the data first (data.streaming=false)."
-            )
+    data = training_data(cfg, log)
+    check_enough(cfg, data.packs)
     run_id = start_run(cfg.tracking, out.name, flatten(to_dict(cfg)))
-    if streamed is not None:
-        datasets = streamed
-        log(f"streaming the data through the pipeline as training reads it; rejects and summary in {out / 'data'}")
-    else:
-        datasets = shard_datasets(splits)
-    trainer = build_trainer(cfg, out, datasets, run_id, run_settings(cfg, out))
+    trainer = build_trainer(cfg, out, datasets(data), run_id, run_settings(cfg, out))
     try:
         result = trainer.fit()
     except Exception as e:
@@ -74,11 +56,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
         raise TrainingError(_explain(e, out)) from None
     try:
         outcome = check_outcome(result, cfg)
-        if streamed is not None:
-            summary = finish_stream(out / "data", cfg.data)
-            log(
-                f"streamed {summary['rows_read']} rows: kept {summary['rows_kept']}, rejected {summary['rows_rejected']}"
-            )
+        data.finish()
     except Exception:
         finish_run(cfg.tracking, run_id, [], "FAILED")
         raise
@@ -106,41 +84,63 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     }
 
 
-def prepare_checked(cfg: JobConfig, log=print) -> dict[str, Any]:
-    """Prepare (or reuse) the shards and check there is a micro-batch per worker; returns ``prepare()['splits']``.
+def check_before_data(cfg: JobConfig) -> None:
+    """The checks that take seconds, run before data preparation (which can take minutes) so they fail first.
+
+    Starts or joins Ray.
+    Raises:
+        BackendError: the device asked for is missing, or its collectives cannot carry ``train.comm_hook``.
+        DataError: the workers would not leave the streamed pipeline a CPU (``data.streaming``).
+        TrainingError: the workers ask for more CPUs or devices than the cluster has (Ray would wait forever).
+        TrackingError: the MLflow tracking server does not answer.
+    """
+    check_hook(cfg.train, planned_backend(cfg.backend))  # a missing device, or a hook it cannot run, fails first
+    _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
+    if cfg.tracking.enabled:
+        check_reachable(tracking_uri(cfg.tracking))
+    ensure_ray()
+    import ray
+
+    cluster = ray.cluster_resources()
+    per_worker = scaling.get("resources_per_worker") or {"CPU": 1.0, "GPU": 1.0}  # Ray Train's default with use_gpu
+    short = {
+        k: v * cfg.train.num_workers for k, v in per_worker.items() if v * cfg.train.num_workers > cluster.get(k, 0)
+    }
+    if short:
+        raise TrainingError(
+            f"the workers ask for {', '.join(f'{v:g} {k}' for k, v in short.items())} (train.num_workers="
+            f"{cfg.train.num_workers} x {per_worker}) and the cluster has "
+            f"{', '.join(f'{cluster.get(k, 0):g} {k}' for k in short)}, so training would wait forever. Lower "
+            "train.num_workers or train.cpus_per_worker, or add nodes."
+        )
+    cpus = cluster.get("CPU", 0)
+    asked = cfg.train.num_workers * per_worker.get("CPU", 0)
+    if cfg.data.streaming and cpus - asked < READ_CPUS:
+        raise DataError(
+            f"the workers would take {asked:g} of the cluster's {cpus:g} CPUs, leaving less than {READ_CPUS:g} for "
+            "Ray Data to run the streamed pipeline, so training would wait forever. Lower train.cpus_per_worker or "
+            "train.num_workers, or prepare the data first (data.streaming=false)."
+        )
+
+
+def check_enough(cfg: JobConfig, packs: int | None) -> None:
+    """Check there is a micro-batch per worker in ``packs`` training sequences (``None``: not known yet, streamed).
 
     Raises:
-        DataError: bad data, or fewer training sequences than ``num_workers x batch_size``.
+        DataError: fewer training sequences than ``num_workers x batch_size``.
     """
-    splits = prepare(cfg, log=log)["splits"]
     needed = cfg.train.num_workers * cfg.train.batch_size
-    if splits["train"]["packs"] < needed:
+    if packs is not None and packs < needed:
         raise DataError(
-            f"the training data has {splits['train']['packs']} sequences, fewer than one micro-batch per worker "
+            f"the training data has {packs} sequences, fewer than one micro-batch per worker "
             f"(train.num_workers={cfg.train.num_workers} x train.batch_size={cfg.train.batch_size} = {needed}). "
             "Add data, lower data.cutoff_len or turn off data.packing, or use fewer workers or a smaller batch."
         )
-    return splits
 
 
-def shard_datasets(splits: dict[str, Any]) -> dict[str, Any]:
-    """Ray datasets over the prepared Parquet shards: ``train``, and ``eval`` when the eval split has packs.
-
-    The shards are read here, on the driver, into Ray's object store (one block per shard file), so no
-    Ray Data task runs during training. Ray Data's read tasks (and its file-listing task, whatever
-    ``num_cpus`` the read is given) each ask for a whole CPU: workers holding every CPU, such as two
-    one-CPU trials of a sweep on two cores, would wait forever for their data. Prepared shards are
-    compact token ids (about 12 bytes per token); a corpus too large to hold in memory is read with
-    ``data.streaming`` instead.
-    """
-    import pyarrow.parquet as pq
-    import ray.data
-
-    def read(split: str):
-        files = sorted(Path(splits[split]["shards"]).glob("*.parquet"))
-        return ray.data.from_arrow([pq.read_table(path) for path in files])
-
-    return {"train": read("train"), **({"eval": read("eval")} if splits["eval"]["packs"] else {})}
+def datasets(data: TrainingData) -> dict[str, Any]:
+    """Ray Train's ``datasets``: ``train``, and ``eval`` when the job holds one out."""
+    return {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
 
 
 def build_trainer(cfg: JobConfig, out: Path, datasets: dict[str, Any], run_id: str | None, run_config: dict[str, Any]):

@@ -2,7 +2,7 @@
 returning the summed cross-entropy over label tokens (chunked over the LM head where the model allows it).
 
 :func:`training_model` applies ``train.fused_lora``, ``train.recompute_every``, ``train.chunked_loss`` and
-``train.compile`` to a peft model and returns the :class:`LossModel` that DDP wraps, with one line per choice.
+``train.compile`` to a peft model, stores its frozen linear weights in the autocast dtype, and returns the :class:`LossModel` that DDP wraps, with one line per choice.
 """
 
 from __future__ import annotations
@@ -69,6 +69,29 @@ def head_is_plain_linear(model: nn.Module) -> tuple[bool, str]:
     return True, "logits are the head's matmul"
 
 
+def store_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Convert the frozen weights of ``model``'s linear layers to ``dtype`` (the autocast dtype), in place, once.
+
+    Autocast casts a weight that needs no gradient again at every call (its cast cache keeps only leaves that
+    require grad), and keeps the cast copy for the backward: for SmolLM2-135M that is a full read and a
+    half-size write of the base model per forward, and as much again held until the backward. Under autocast
+    the matrix products see the same rounded values either way, so results do not change. Embeddings (and a
+    head tied to them) and norms keep their precision: the residual stream stays as autocast leaves it. The
+    model then runs only under autocast (a matrix product mixing fp32 inputs and these weights fails).
+
+    Returns:
+        The number of weight matrices converted.
+    """
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and not weight.requires_grad and id(weight) not in embeddings:
+            weight.data = weight.data.to(dtype)
+            count += 1
+    return count
+
+
 def training_model(model: nn.Module, train: TrainArgs, backend: Backend) -> tuple[LossModel, list[str]]:
     """Apply the training-speed options to a peft ``model`` (in place) and wrap it for the loop.
 
@@ -93,6 +116,9 @@ def training_model(model: nn.Module, train: TrainArgs, backend: Backend) -> tupl
     if train.chunked_loss:
         chunked, why = head_is_plain_linear(model)
         notes.append(f"chunked loss: {'on' if chunked else 'off'} ({why})")
+    if backend.amp_dtype is not None:
+        count = store_frozen_linears(model, backend.amp_dtype)
+        notes.append(f"frozen linear weights stored in {backend.precision}: {count} matrices")
     if train.compile:
         compiler = backend.compile_backend()
         for layer in causal_lm.get_decoder().layers:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -84,19 +85,19 @@ def train_worker(config: dict) -> dict:
             with restored.as_directory() as folder:
                 note = ckpt.load_comm(Path(folder), hook, rank, world)
             if note and rank == 0:
-                print(note, flush=True)
+                say(note)
     last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
     log_metrics = metric_logger(config["tracking_uri"], config["run_id"], rank)
     eval_shard = ray.train.get_dataset_shard("eval") if config["has_eval"] else None
     batches = micro_batches(ray.train.get_dataset_shard("train"), cfg.train.batch_size, state, world)
     mask_dtype = backend.amp_dtype or model.dtype
     if rank == 0:
-        print("training path: " + "; ".join(notes), flush=True)
+        say("training path: " + "; ".join(notes))
         set_tags(
             config["tracking_uri"], config["run_id"], {"backend.precision_by": notes[0], "train.path": "; ".join(notes)}
         )
     if rank == 0 and resumed_from:
-        print(f"resumed from step {resumed_from} (epoch {state.epoch}, {state.rows_in_epoch} rows into it)", flush=True)
+        say(f"resumed from step {resumed_from} (epoch {state.epoch}, {state.rows_in_epoch} rows into it)")
     profiler = backend.profiler(Path(cfg.train.output_dir) / "profile") if train.profile and rank == 0 else None
     if profiler is not None:
         profiler.start()
@@ -144,9 +145,8 @@ def train_worker(config: dict) -> dict:
             lr_scale[0] = state.lr_scale
             bad_in_row = 0
             if rank == 0:
-                print(
-                    f"{train.nan_tolerance} non-finite steps in a row: rolled back to step {state.step}, lr x{state.lr_scale}",
-                    flush=True,
+                say(
+                    f"{train.nan_tolerance} non-finite steps in a row: rolled back to step {state.step}, lr x{state.lr_scale}"
                 )
             continue
         bad_in_row = 0
@@ -177,9 +177,8 @@ def train_worker(config: dict) -> dict:
         if rank == 0:
             eta = elapsed / (state.step - resumed_from) * (train.max_steps - state.step)
             extra = f"  eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
-            print(
-                f"step {state.step}/{train.max_steps}  loss {loss:.4f}  lr {metrics['lr']:.2e}  tokens/s {metrics['tokens_per_s']:.0f}  ETA {eta:.0f}s{extra}",
-                flush=True,
+            say(
+                f"step {state.step}/{train.max_steps}  loss {loss:.4f}  lr {metrics['lr']:.2e}  tokens/s {metrics['tokens_per_s']:.0f}  ETA {eta:.0f}s{extra}"
             )
             if log_metrics:
                 log_metrics(metrics, state.step)
@@ -200,6 +199,17 @@ def train_worker(config: dict) -> dict:
     if profiler is not None:
         profiler.stop()
     return outcome("done", state, resumed_from)
+
+
+def say(line: str) -> None:
+    """Write one console line from a worker; Ray forwards the worker's stdout to the driver.
+
+    Not ``print``: Ray Train replaces ``print`` on its workers with a function that logs the line through the
+    root logger (whose console handler writes to stderr) and, because a worker's ``sys.stdout`` is a wrapper,
+    also prints it, so every line reached the driver twice.
+    """
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def quiet_report_logs() -> None:

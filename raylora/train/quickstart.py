@@ -60,7 +60,9 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
         before = generate(model, tokenizer, question, device)
     losses, tokens, seconds = train_steps(model, packs, tokenizer.pad_token_id, cfg, backend, log)
     model.save_pretrained(out / "adapter")
-    after = generate(model, tokenizer, question, device)
+    # training stored the frozen weights in the autocast dtype (raylora.train.lm.store_frozen_linears)
+    with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
+        after = generate(model, tokenizer, question, device)
     summary = {
         "losses": losses,
         "tokens_per_s": tokens / seconds,

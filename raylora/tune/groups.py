@@ -281,18 +281,19 @@ class GroupWorker:
         return box[0]
 
 
-def start(cfg: JobConfig, splits: dict[str, Any], groups: int):
+def start(cfg: JobConfig, data, groups: int):
     """The broker and ``groups`` groups of ``train.num_workers`` worker actors, each started on
-    :meth:`GroupWorker.run`; returns ``(broker, runs, actors)``, ``runs[g]`` the run calls of group g's workers."""
+    :meth:`GroupWorker.run`; returns ``(broker, runs, actors)``, ``runs[g]`` the run calls of group g's workers.
+
+    ``data`` is :func:`raylora.data.pipeline.training_data`'s result; its packs are put in Ray's object store once
+    and every group reads them from there."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
     import ray
 
     from raylora.backends import worker_plan
 
-    def table(split: str):
-        files = sorted(Path(splits[split]["shards"]).glob("*.parquet"))
-        return pa.concat_tables([pq.read_table(path) for path in files])
+    def table(dataset):
+        return pa.concat_tables(ray.get(dataset.to_arrow_refs()))
 
     world = cfg.train.num_workers
     dist_backend, scaling, env = worker_plan(cfg.backend, world, cfg.train.cpus_per_worker)
@@ -304,8 +305,8 @@ def start(cfg: JobConfig, splits: dict[str, Any], groups: int):
         options["resources"] = per_worker
     if env:
         options["runtime_env"] = {"env_vars": env}
-    train_rows = ray.put(table("train"))
-    eval_rows = ray.put(table("eval")) if splits["eval"]["packs"] else None
+    train_rows = ray.put(table(data.train))
+    eval_rows = ray.put(table(data.eval)) if data.eval is not None else None
     broker = ray.remote(num_cpus=0)(Broker).options(name=broker_name(cfg)).remote(groups, cfg.tune.trials_per_group)
     stores = Path(cfg.train.output_dir).resolve() / "groups"
     stores.mkdir(parents=True, exist_ok=True)

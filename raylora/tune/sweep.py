@@ -1,6 +1,6 @@
 """``sweep(cfg)``: a Ray Tune search over LoRA and training settings, top to bottom.
 
-check the sweep → prepare the data once → count the trials the cluster fits → open the MLflow parent
+check the sweep → count the trials the cluster fits → check MLflow answers → prepare the data once → open the MLflow parent
 run → Tune runs the trials (each a Ray Train run with its own MLflow child run; ASHA stops laggards)
 → mark each child run → copy, log and register the best adapter; write the results table and plot.
 
@@ -26,16 +26,17 @@ from typing import Any
 from raylora.backends import worker_plan
 from raylora.cluster import ensure_ray
 from raylora.config import ConfigError, JobConfig, from_dict, to_dict
-from raylora.tracking import finish_run, start_run, tracking_uri
+from raylora.data.pipeline import training_data
+from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
 from raylora.train.fit import (
     TrainingError,
     build_trainer,
+    check_enough,
     check_outcome,
+    datasets,
     flatten,
-    prepare_checked,
     run_settings,
     save_outputs,
-    shard_datasets,
 )
 from raylora.tune import groups, space
 
@@ -71,9 +72,17 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             ],
             "the sweep",
         )
-    splits = prepare_checked(cfg, log)
+    if cfg.data.streaming:
+        raise ConfigError(
+            [("data.streaming", "a sweep prepares its data once for every trial; set data.streaming=false")],
+            "the sweep",
+        )
     ensure_ray()
     at_once = trials_at_once(cfg)
+    if cfg.tracking.enabled:
+        check_reachable(tracking_uri(cfg.tracking))  # before the data work, which can take minutes
+    data = training_data(cfg, log)
+    check_enough(cfg, data.packs)
     out.mkdir(parents=True, exist_ok=True)
     parent = _parent_run(cfg, out, resume)
     uri = tracking_uri(cfg.tracking) if parent else None
@@ -81,16 +90,14 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     group_actors = None
     if cfg.tune.trials_per_group > 1:
         group_count, at_once = groups.plan(cfg, at_once)
-        group_actors = groups.start(cfg, splits, group_count)
+        group_actors = groups.start(cfg, data, group_count)
         callbacks.append(groups.leave_callback(cfg))
         trainable = tune.with_parameters(
             groups.run_member, job=to_dict(cfg), parent=parent, uri=uri, broker=group_actors[0], runs=group_actors[1]
         )
         layout = f", {group_count} group(s) of up to {cfg.tune.trials_per_group} trials sharing a base"
     else:
-        trainable = tune.with_parameters(
-            run_trial, job=to_dict(cfg), datasets=shard_datasets(splits), parent=parent, uri=uri
-        )
+        trainable = tune.with_parameters(run_trial, job=to_dict(cfg), datasets=datasets(data), parent=parent, uri=uri)
         layout = ""
     # The trial's own process only drives its Ray Train run (or its group's member), so it asks for no CPU: with
     # even 0.01 CPU, two one-CPU trials would not fit two cores. Tune refuses an empty request, hence memory.

@@ -143,6 +143,36 @@ def test_dataset_too_small_for_one_batch_per_worker_is_refused_before_training(t
     assert not (tmp_path / "run" / "ray").exists()
 
 
+def test_cheap_checks_fail_before_any_data_work(tmp_path):
+    import socket
+
+    import ray
+
+    from raylora.tracking import TrackingError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens once the socket is closed
+    with pytest.raises(TrackingError, match=f"127.0.0.1:{closed} does not answer"):
+        fit(job(tmp_path, f"tracking.uri=http://127.0.0.1:{closed}"), log=lambda s: None)
+    cpus = ray.cluster_resources()["CPU"]
+    with pytest.raises(TrainingError, match=rf"the workers ask for {cpus + 2:g} CPU .* the cluster has {cpus:g} CPU"):
+        fit(job(tmp_path, f"train.cpus_per_worker={cpus / 2 + 1}"), log=lambda s: None)
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_training_data_hands_over_the_shards_the_pack_count_and_the_summary(tmp_path):
+    from raylora.data.pipeline import training_data
+
+    train, held_out, packs, finish = training_data(job(tmp_path), log=lambda s: None)
+    summary = finish()
+    assert packs == train.count() == summary["splits"]["train"]["packs"] > 0
+    assert held_out.count() == summary["splits"]["eval"]["packs"] > 0
+    assert summary["rows_read"] == 24 and sorted(train.columns()) == sorted(
+        ["input_ids", "labels", "position_ids", "seq_lens", "num_tokens"]
+    )
+
+
 def test_workers_holding_every_cpu_still_read_their_shards(tmp_path):
     import ray
 

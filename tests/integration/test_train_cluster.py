@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -88,6 +89,13 @@ def test_ray_job_outputs_and_mlflow_artifacts_outlive_rays_temporary_folder(head
     assert "train.output_dir: 'outputs/tiny_lora_cpu' is relative" in refused.stdout + refused.stderr
     proc = submit(address, env, root, *args, runtime_env={"env_vars": {"RAYLORA_BASE_DIR": str(tmp_path)}})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # what the user sees: one progress line per logged step, with its ETA, and no Ray Train report lines
+    console = (proc.stdout + proc.stderr).splitlines()
+    progress = [line for line in console if re.search(r"step \d+/4 ", line)]
+    assert [re.search(r"step (\d+)/4 .* ETA \d+s", line).group(1) for line in progress] == ["1", "2", "3", "4"], (
+        progress
+    )
+    assert not [line for line in console if "Reporting training result" in line]
     stop_processes(temp_dir)
     shutil.rmtree(temp_dir)
     assert (tmp_path / "outputs" / "tiny_lora_cpu" / "adapter" / "adapter_model.safetensors").is_file()

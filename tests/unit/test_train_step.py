@@ -35,13 +35,13 @@ def _rows() -> list[dict]:
     return rows
 
 
-def _model(**train):
+def _model(backend=BACKEND, **train):
     model = attach_lora(tiny_model("llama"), LoraArgs(rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"]))
     randomise_lora(model, 3, 0.1)
-    return training_model(model, TrainArgs(**train), BACKEND)
+    return training_model(model, TrainArgs(**train), backend)
 
 
-def _step(loss_model, rows: list[dict], per_micro: int, world: int) -> dict:
+def _step(loss_model, rows: list[dict], per_micro: int, world: int, backend=BACKEND) -> dict:
     params = [p for p in loss_model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -50,8 +50,9 @@ def _step(loss_model, rows: list[dict], per_micro: int, world: int) -> dict:
     train = TrainArgs(grad_accum=len(rows) // per_micro, max_grad_norm=0.0)
     ddp = DistributedDataParallel(loss_model) if world > 1 else loss_model
     loss, tokens, norm, _ = train_step(
-        ddp, batches, optimizer, scheduler, scaler, 0, torch.float32, torch.device("cpu"), train, BACKEND, world
-    )
+        ddp, batches, optimizer, scheduler, scaler, 0, backend.amp_dtype or torch.float32, torch.device("cpu"), train,
+        backend, world,
+    )  # fmt: skip
     named = {n: p.detach().clone() for n, p in loss_model.named_parameters() if p.requires_grad}
     return {"loss": loss, "tokens": tokens, "norm": norm, "params": named}
 
@@ -115,6 +116,24 @@ def test_training_options_keep_the_loss_and_gradients(options):
     ours, notes = _model(**options)
     assert any(n.startswith("chunked loss: on") for n in notes) is options["chunked_loss"]
     _assert_same(_step(ours, _rows(), per_micro=2, world=1), _step(reference, _rows(), per_micro=2, world=1))
+
+
+def test_frozen_linears_stored_in_bf16_train_exactly_like_autocast_over_fp32_weights():
+    bf16 = resolve_backend(BackendArgs(device="cpu", precision="bf16"))
+    stored, notes = _model(bf16)
+    assert "frozen linear weights stored in bf16: 15 matrices" in notes  # q k v o gate up down x 2 layers, head
+    frozen = {n: p for n, p in stored.named_parameters() if not p.requires_grad}
+    linear = {n for n in frozen if n.endswith(("base_layer.weight", "lm_head.weight"))}
+    assert len(linear) == 15 and {frozen[n].dtype for n in linear} == {torch.bfloat16}
+    assert {p.dtype for n, p in frozen.items() if n not in linear} == {torch.float32}  # embeddings, norms
+    assert {p.dtype for p in stored.parameters() if p.requires_grad} == {torch.float32}
+    # the reference: the same model with its original fp32 weights, which autocast casts at every product
+    reference, _ = _model(bf16)
+    originals = dict(_model(BACKEND)[0].named_parameters())
+    for name, param in reference.named_parameters():
+        param.data = originals[name].data.clone()
+    assert {p.dtype for p in reference.parameters()} == {torch.float32}
+    _assert_same(_step(stored, _rows(), 2, 1, bf16), _step(reference, _rows(), 2, 1, bf16), tol=0)
 
 
 def test_recompute_checkpoints_every_nth_layer():
