@@ -115,11 +115,12 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
         if eval_keys is not None:
             row_split = "eval" if key in eval_keys else "train"
         else:
-            row_split = (
-                "eval" if data.eval_fraction and split_draw(data.seed, *key) < data.eval_fraction else "train"
-            )
+            row_split = "eval" if data.eval_fraction and split_draw(data.seed, *key) < data.eval_fraction else "train"
         weight = plan[r["source"]]["weight"]
-        copies = int(weight) + (weight != int(weight) and unit_hash(data.seed, "weight", Path(r["source"]).name, r["line"]) < weight - int(weight))
+        copies = int(weight) + (
+            weight != int(weight)
+            and unit_hash(data.seed, "weight", Path(r["source"]).name, r["line"]) < weight - int(weight)
+        )
         take += [j] * copies
         split += [row_split] * copies
     _write_side(Path(side_dir), rows, rejects, len(take))
