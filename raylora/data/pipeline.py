@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from raylora.config import DataArgs, JobConfig, to_dict
 from raylora.data.datasource import RawRowsDatasource
 from raylora.data.encode import TokenizerSpec, tokenizer_spec
+from raylora.data.packs import put_packs
 from raylora.data.sources import DataError, plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, select_split, split_draw, worker_spec, write_shard
 from raylora.model_files import load_tokenizer
@@ -110,8 +111,9 @@ class TrainingData(NamedTuple):
     """What training reads, from :func:`training_data`.
 
     Attributes:
-        train: ``ray.data.Dataset`` of training packs (columns as :func:`build_dataset`).
-        eval: the eval packs, or ``None`` when the job holds none out.
+        train: the training packs (columns as :func:`build_dataset`): prepared shards as
+            :class:`~raylora.data.packs.Packs`, a streamed job's as a lazy ``ray.data.Dataset``.
+        eval: the eval packs, likewise, or ``None`` when the job holds none out.
         packs: training sequences, or ``None`` when streamed (unknown until training has read them).
         finish: call after training: returns the data summary (rows read, kept, rejected); for a streamed run it
             adds up the rejects first, logs them and raises :class:`DataError` above ``data.max_reject_fraction``.
@@ -127,11 +129,12 @@ def training_data(cfg: JobConfig, log=print) -> TrainingData:
     """The one call from training to the data layer: prepared (or reused) shards, or with ``data.streaming``
     the lazy pipeline, whose rejects and summary go to ``<train.output_dir>/data``.
 
-    Prepared shards are read here, on the driver, into Ray's object store (one block per shard file), so no
-    Ray Data task runs during training. Ray Data's read tasks (and its file-listing task, whatever
-    ``num_cpus`` the read is given) each ask for a whole CPU: workers holding every CPU, such as two
-    one-CPU trials of a sweep on two cores, would wait forever for their data. Prepared shards are
-    compact token ids (about 12 bytes per token); a corpus too large to hold in memory is streamed instead.
+    Prepared shards are read here, on the driver, into Ray's object store (one table per shard file), and each
+    worker takes its rows from there (:mod:`raylora.data.packs`), so no Ray Data task or actor runs during
+    training. Ray Data's read tasks (and its file-listing task, whatever ``num_cpus`` the read is given) each
+    ask for a whole CPU: workers holding every CPU, such as two one-CPU trials of a sweep on two cores, would
+    wait forever for their data. Prepared shards are compact token ids (about 12 bytes per token); a corpus
+    too large to hold in memory is streamed instead.
 
     Raises:
         DataError: bad sources, or rejected rows above ``data.max_reject_fraction``.
@@ -152,18 +155,11 @@ def training_data(cfg: JobConfig, log=print) -> TrainingData:
     summary = prepare(cfg, log=log)
     splits = summary["splits"]
     return TrainingData(
-        _read_shards(splits["train"]["shards"]),
-        _read_shards(splits["eval"]["shards"]) if splits["eval"]["packs"] else None,
+        put_packs(splits["train"]["shards"]),
+        put_packs(splits["eval"]["shards"]) if splits["eval"]["packs"] else None,
         splits["train"]["packs"],
         lambda: summary,
     )
-
-
-def _read_shards(folder: str):
-    import pyarrow.parquet as pq
-    import ray.data
-
-    return ray.data.from_arrow([pq.read_table(path) for path in sorted(Path(folder).glob("*.parquet"))])
 
 
 def finish_stream(side_dir: Path, data: DataArgs) -> dict[str, Any]:

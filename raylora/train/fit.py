@@ -22,15 +22,11 @@ from raylora.comm.hooks import check_hook
 from raylora.config import JobConfig, to_dict
 from raylora.data.pipeline import DataError, TrainingData, training_data
 from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
-from raylora.train.loop import train_worker
 from raylora.train.plot import plot_history
+from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
 
 # The streamed pipeline's tasks each ask for a whole CPU: the workers must leave one free or training waits forever.
 READ_CPUS = 1.0
-
-
-class TrainingError(RuntimeError):
-    """The run failed; the message names the likely causes and fixes, not Ray's internals."""
 
 
 def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
@@ -139,66 +135,8 @@ def check_enough(cfg: JobConfig, packs: int | None) -> None:
 
 
 def datasets(data: TrainingData) -> dict[str, Any]:
-    """Ray Train's ``datasets``: ``train``, and ``eval`` when the job holds one out."""
+    """What the workers read: ``train``, and ``eval`` when the job holds one out (see :func:`build_trainer`)."""
     return {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
-
-
-def build_trainer(cfg: JobConfig, out: Path, datasets: dict[str, Any], run_id: str | None, run_config: dict[str, Any]):
-    """The TorchTrainer of one training run writing to ``out``, logging to MLflow run ``run_id``.
-
-    Args:
-        run_config: keyword arguments of ``ray.train.RunConfig`` (see :func:`run_settings`).
-    """
-    from ray.train import DataConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
-    return TorchTrainer(
-        train_worker,
-        train_loop_config={
-            "cfg": {**to_dict(cfg), "train": {**to_dict(cfg.train), "output_dir": str(out)}},
-            "tracking_uri": tracking_uri(cfg.tracking) if run_id else None,
-            "run_id": run_id,
-            "has_eval": "eval" in datasets,
-        },
-        torch_config=TorchConfig(backend=dist_backend),
-        scaling_config=ScalingConfig(**scaling),
-        run_config=RunConfig(**run_config, worker_runtime_env={"env_vars": env} if env else None),
-        datasets=datasets,
-        # Ray splits every dataset equally across workers, dropping rows to do so: a small eval set could leave
-        # each worker none. Each worker reads the whole eval set instead (the token-weighted all-reduce is unchanged).
-        dataset_config=DataConfig(datasets_to_split=["train"]),
-    )
-
-
-def run_settings(cfg: JobConfig, out: Path) -> dict[str, Any]:
-    """Ray Train's run settings of a job writing to ``out``: checkpoints under ``out/ray``, restarts on failure."""
-    from ray.train import CheckpointConfig, FailureConfig
-
-    return {
-        "name": "ray",
-        "storage_path": str(out),
-        "failure_config": FailureConfig(max_failures=cfg.train.max_failures),
-        "checkpoint_config": CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-    }
-
-
-def check_outcome(result, cfg: JobConfig) -> dict[str, Any]:
-    """Rank 0's outcome of a finished ``trainer.fit()``.
-
-    Raises:
-        TrainingError: the run diverged (NaN guard) or left no checkpoint, naming the likely causes.
-    """
-    outcome = result.return_value or {}
-    if outcome.get("status") != "done" or result.checkpoint is None:
-        raise TrainingError(
-            f"training diverged: non-finite loss or gradients for train.nan_tolerance={cfg.train.nan_tolerance} steps "
-            "in a row, again after rolling back to the last good checkpoint with half the learning rate. Likely causes: "
-            f"a learning rate too high (train.lr={cfg.train.lr}), Adam's epsilon too small under fp16 "
-            f"(train.adam_eps={cfg.train.adam_eps}), or a LoRA rank/alpha that scales updates too far "
-            f"(lora.rank={cfg.lora.rank}, lora.alpha={cfg.lora.alpha})."
-        )
-    return outcome
 
 
 def save_outputs(checkpoint: Path, cfg: JobConfig, out: Path) -> list[dict[str, float]]:
@@ -214,16 +152,6 @@ def save_outputs(checkpoint: Path, cfg: JobConfig, out: Path) -> list[dict[str, 
     (out / "history.json").write_text(json.dumps(history, indent=1))
     plot_history(history, out / "loss.png")
     return history
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value and prefix == "":
-            flat.update(flatten(value, f"{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _explain(error: Exception, out: Path) -> str:

@@ -29,6 +29,7 @@ from raylora.comm.hooks import CommHook, bytes_sent, check_hook
 from raylora.comm.overlap import finish_trace, start_trace
 from raylora.config import TrainArgs, from_dict
 from raylora.data.collate import collate_packs
+from raylora.data.packs import worker_share
 from raylora.models import attach_lora, load_model
 from raylora.ops.linear_ce import IGNORE_INDEX
 from raylora.tracking import metric_logger, set_tags
@@ -39,7 +40,8 @@ from raylora.train.optim import build_optimizer, build_scheduler
 
 
 def train_worker(config: dict) -> dict:
-    """One Ray Train worker. ``config``: ``cfg`` (the job as a dict), ``tracking_uri``, ``run_id``, ``has_eval``.
+    """One Ray Train worker. ``config``: ``cfg`` (the job as a dict), ``tracking_uri``, ``run_id``, ``datasets``
+    (the names of the job's datasets) and ``packs`` (those of them that are prepared packs).
 
     Returns (rank 0's reaches the driver as ``result.return_value``): ``status`` (``done`` or
     ``diverged``), ``step``, ``resumed_from`` and ``skipped_steps``.
@@ -88,8 +90,8 @@ def train_worker(config: dict) -> dict:
                 say(note)
     last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
     log_metrics = metric_logger(config["tracking_uri"], config["run_id"], rank)
-    eval_shard = ray.train.get_dataset_shard("eval") if config["has_eval"] else None
-    batches = micro_batches(ray.train.get_dataset_shard("train"), cfg.train.batch_size, state, world)
+    eval_shard = data_shard(config, "eval", 0, 1) if "eval" in config["datasets"] else None
+    batches = micro_batches(data_shard(config, "train", rank, world), cfg.train.batch_size, state, world)
     mask_dtype = backend.amp_dtype or model.dtype
     if rank == 0:
         say("training path: " + "; ".join(notes))
@@ -240,6 +242,14 @@ def record_worker(output_dir: Path, rank: int, device: torch.device) -> None:
     info = {"rank": rank, "host": socket.gethostname(), "node": node, "pid": os.getpid(), "device": str(device),
             "placement_group": group.id.hex() if group else None}  # fmt: skip
     (folder / f"rank{rank}.json").write_text(json.dumps(info))
+
+
+def data_shard(config: dict, name: str, rank: int, world: int):
+    """This worker's rows of dataset ``name``: its share of prepared packs (rank ``rank`` of ``world``), else
+    Ray Train's split of a streamed dataset."""
+    if name in config["packs"]:
+        return worker_share(config["packs"][name], rank, world)
+    return ray.train.get_dataset_shard(name)
 
 
 def micro_batches(

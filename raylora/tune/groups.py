@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from raylora.config import ConfigError, JobConfig, from_dict, to_dict
+from raylora.data.packs import read_packs, worker_share
 
 # Keys a group's members must share: they shape the group's workers or its single forward pass.
 SHARED_TRAIN_KEYS = {
@@ -190,12 +191,13 @@ class Broker:
 class GroupWorker:
     """One worker of a group: a Ray actor holding the base model and its share of the rows; :meth:`run` trains until
     the broker closes. With ``train.num_workers`` above 1, the group's workers start torch.distributed on a file
-    store, each reads its equal part of the training rows (as Ray Train splits them), and rank 0 alone talks to the
+    store, each reads its equal part of the training rows (:func:`~raylora.data.packs.worker_share`), and rank 0 alone talks to the
     broker and tells the others what to do each step.
 
     Args:
         job: the sweep's job as a dict (model, data, backend shared by every member).
-        train, evaluation: the prepared training and eval pack rows (pyarrow tables; eval may be ``None``).
+        train, evaluation: the prepared training and eval packs (:class:`~raylora.data.packs.Packs`; eval may be
+            ``None``).
         index, rank, world, store, dist_backend: the group's index, this worker's rank, the group's worker count,
             the store file (``<output_dir>/groups/group<index>.store``; each worker writes
             ``group<index>.rank<rank>.json`` beside it: host, pid, device, rows), the torch.distributed backend.
@@ -215,12 +217,11 @@ class GroupWorker:
             import torch.distributed as dist
 
             dist.init_process_group(dist_backend, init_method=f"file://{store}", rank=rank, world_size=world)
-        rows = train.to_pylist()
-        share = len(rows) // world
-        evaluation = evaluation.to_pylist() if evaluation is not None else None
-        self.group = Group(cfg, rows[rank * share : (rank + 1) * share], evaluation, rank=rank, world=world)
+        rows = worker_share(train, rank, world).rows.to_pylist()
+        evaluation = read_packs(evaluation).to_pylist() if evaluation is not None else None
+        self.group = Group(cfg, rows, evaluation, rank=rank, world=world)
         info = {"group": index, "rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.group.device), "rows": share}  # fmt: skip
+                "device": str(self.group.device), "rows": len(rows)}  # fmt: skip
         (Path(store).parent / f"group{index}.rank{rank}.json").write_text(json.dumps(info))
 
     def run(self, broker, index: int) -> int:
@@ -285,15 +286,11 @@ def start(cfg: JobConfig, data, groups: int):
     """The broker and ``groups`` groups of ``train.num_workers`` worker actors, each started on
     :meth:`GroupWorker.run`; returns ``(broker, runs, actors)``, ``runs[g]`` the run calls of group g's workers.
 
-    ``data`` is :func:`raylora.data.pipeline.training_data`'s result; its packs are put in Ray's object store once
-    and every group reads them from there."""
-    import pyarrow as pa
+    ``data`` is :func:`raylora.data.pipeline.training_data`'s result; its packs are in Ray's object store, and
+    every group reads them from there."""
     import ray
 
     from raylora.backends import worker_plan
-
-    def table(dataset):
-        return pa.concat_tables(ray.get(dataset.to_arrow_refs()))
 
     world = cfg.train.num_workers
     dist_backend, scaling, env = worker_plan(cfg.backend, world, cfg.train.cpus_per_worker)
@@ -305,8 +302,6 @@ def start(cfg: JobConfig, data, groups: int):
         options["resources"] = per_worker
     if env:
         options["runtime_env"] = {"env_vars": env}
-    train_rows = ray.put(table(data.train))
-    eval_rows = ray.put(table(data.eval)) if data.eval is not None else None
     broker = ray.remote(num_cpus=0)(Broker).options(name=broker_name(cfg)).remote(groups, cfg.tune.trials_per_group)
     stores = Path(cfg.train.output_dir).resolve() / "groups"
     stores.mkdir(parents=True, exist_ok=True)
@@ -316,7 +311,7 @@ def start(cfg: JobConfig, data, groups: int):
         store = stores / f"group{index}.store"
         store.unlink(missing_ok=True)  # torch.distributed's file store must start empty
         workers = [
-            actor.remote(to_dict(cfg), train_rows, eval_rows, index, rank, world, str(store), dist_backend)
+            actor.remote(to_dict(cfg), data.train, data.eval, index, rank, world, str(store), dist_backend)
             for rank in range(world)
         ]
         actors += workers
@@ -372,14 +367,14 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, uri: str |
     from ray import tune
 
     from raylora.tracking import metric_logger
-    from raylora.train.fit import TrainingError
-    from raylora.tune.sweep import _child_run, _trial_config
+    from raylora.train.trainer import TrainingError
+    from raylora.tune.trial import child_run, trial_config
 
     trial_id = tune.get_context().get_trial_id()
     out = Path(job["train"]["output_dir"]) / "trials" / trial_id
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _trial_config(job, values, out)
-    run_id = _child_run(cfg, out, parent, trial_id, values)
+    cfg = trial_config(job, values, out)
+    run_id = child_run(cfg, out, parent, trial_id, values)
     restored = tune.get_checkpoint()
     resume_from = restored.path if restored else None
     index = ray.get(broker.join.remote(trial_id, to_dict(cfg), str(out), resume_from))

@@ -25,20 +25,12 @@ from typing import Any
 
 from raylora.backends import worker_plan
 from raylora.cluster import ensure_ray
-from raylora.config import ConfigError, JobConfig, from_dict, to_dict
+from raylora.config import ConfigError, JobConfig, to_dict
 from raylora.data.pipeline import training_data
 from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
-from raylora.train.fit import (
-    TrainingError,
-    build_trainer,
-    check_enough,
-    check_outcome,
-    datasets,
-    flatten,
-    run_settings,
-    save_outputs,
-)
+from raylora.train.fit import TrainingError, check_enough, datasets, flatten, save_outputs
 from raylora.tune import groups, space
+from raylora.tune.trial import run_trial, trial_config
 
 STATUS_TAG = "raylora.trial_status"
 TRIAL_DRIVER_MEMORY = 256 * 2**20
@@ -191,34 +183,6 @@ def trials_at_once(cfg: JobConfig) -> int:
     return min(fits, cfg.tune.max_concurrent or fits)
 
 
-def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | None, uri: str | None) -> None:
-    """One trial (a Ray Tune function trainable): a Ray Train run of the job with the trial's ``values``.
-
-    It logs to an MLflow child run of ``parent`` and passes every report holding the sweep's metric to
-    Tune. Tune ends the trial's process as soon as ASHA stops it or its last step is reported, so
-    the driver, not this function, copies out the adapter and closes the child run
-    (:func:`_finish_trial`). A restored trial resumes its Train run from its own checkpoints.
-    Raises:
-        TrainingError: the run failed or diverged (an errored trial in Tune).
-    """
-    from ray import tune
-
-    trial_id = tune.get_context().get_trial_id()
-    out = Path(job["train"]["output_dir"]) / "trials" / trial_id
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = _trial_config(job, values, out)
-    run_id = _child_run(cfg, out, parent, trial_id, values)
-    settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.metric)]}
-    try:
-        check_outcome(build_trainer(cfg, out, datasets, run_id, settings).fit(), cfg)
-    except Exception as e:
-        raise TrainingError(f"trial {trial_id} ({values}): {e}") from None
-
-
-def _trial_config(job: dict, values: dict[str, Any], out: Path) -> JobConfig:
-    return from_dict(space.apply(job, {**values, "train.output_dir": str(out)}))
-
-
 def _final_checkpoint(out: Path, max_steps: int) -> Path | None:
     """The trial's checkpoint of its last step, if it got there (Ray Train writes it before the report reaches Tune)."""
     for folder in sorted((out / "ray").glob("checkpoint_*")):
@@ -240,40 +204,6 @@ def _release_stopped_callback(out: Path):
             self.on_trial_complete(iteration, trials, trial)
 
     return ReleaseStopped()
-
-
-def _metric_reports(metric: str):
-    """A Ray Train callback passing to Tune the reports that hold ``metric`` (evaluation steps).
-
-    Tune refuses a result without the sweep's metric, and training reports eval loss only every
-    ``train.eval_every`` steps.
-    """
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    class MetricReports(TuneReportCallback):
-        def after_report(self, run_context, metrics, checkpoint):
-            if metric in metrics[0]:
-                super().after_report(run_context, metrics, None)
-
-    return MetricReports()
-
-
-def _child_run(cfg: JobConfig, out: Path, parent: str | None, trial_id: str, values: dict[str, Any]) -> str | None:
-    """The trial's MLflow child run: created once, and found again in ``out/mlflow_run.json`` when the trial resumes."""
-    if parent is None:
-        return None
-    saved = out / "mlflow_run.json"
-    if saved.exists():
-        return json.loads(saved.read_text())["run_id"]
-    label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in values.items())
-    run_id = start_run(
-        cfg.tracking,
-        f"{trial_id} {label}",
-        flatten(to_dict(cfg)),
-        tags={"mlflow.parentRunId": parent, "raylora.trial": trial_id},
-    )
-    saved.write_text(json.dumps({"run_id": run_id}))
-    return run_id
 
 
 def _parent_run(cfg: JobConfig, out: Path, resume: bool) -> str | None:
@@ -354,7 +284,7 @@ def _finish_trial(cfg: JobConfig, result) -> dict[str, Any]:
         status = "failed"
     elif final is not None:
         status = "completed"
-        save_outputs(final, _trial_config(to_dict(cfg), values, out), out)
+        save_outputs(final, trial_config(to_dict(cfg), values, out), out)
     else:
         status = "stopped early"
     saved = out / "mlflow_run.json"
@@ -453,7 +383,3 @@ def _axis(rows: list[dict[str, Any]], key: str | None):
         return lambda row: float(row[key])
     order = sorted({str(v) for v in values})
     return lambda row: float(order.index(str(row[key])))
-
-
-def _short(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)

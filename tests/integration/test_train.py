@@ -162,13 +162,14 @@ def test_cheap_checks_fail_before_any_data_work(tmp_path):
 
 
 def test_training_data_hands_over_the_shards_the_pack_count_and_the_summary(tmp_path):
+    from raylora.data.packs import read_packs
     from raylora.data.pipeline import training_data
 
     train, held_out, packs, finish = training_data(job(tmp_path), log=lambda s: None)
     summary = finish()
-    assert packs == train.count() == summary["splits"]["train"]["packs"] > 0
-    assert held_out.count() == summary["splits"]["eval"]["packs"] > 0
-    assert summary["rows_read"] == 24 and sorted(train.columns()) == sorted(
+    assert packs == train.rows == read_packs(train).num_rows == summary["splits"]["train"]["packs"] > 0
+    assert held_out.rows == read_packs(held_out).num_rows == summary["splits"]["eval"]["packs"] > 0
+    assert summary["rows_read"] == 24 and sorted(read_packs(train).column_names) == sorted(
         ["input_ids", "labels", "position_ids", "seq_lens", "num_tokens"]
     )
 

@@ -1,0 +1,83 @@
+"""Prepared packs handed to training workers through Ray's object store; each worker reads its own rows.
+
+A Ray Dataset given to Ray Train costs every run a split coordinator actor (a fresh process importing
+Ray Data, a few seconds of start-up that every trial of a sweep pays) and a streaming execution per epoch. Prepared
+shards are already packed token ids, small enough to hold in memory, so a worker needs only its rows:
+:class:`Packs` holds one object-store table per shard file, and :func:`worker_share` gives a worker its
+equal share of them. A streamed job (``data.streaming``) still hands Ray Train a Ray Dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+
+class Packs(NamedTuple):
+    """The packs of one split in Ray's object store.
+
+    Attributes:
+        tables: ``ObjectRef[pyarrow.Table]``, one per shard file, in file order.
+        rows: packs in all tables.
+    """
+
+    tables: list[Any]
+    rows: int
+
+
+def put_packs(folder: str | Path) -> Packs:
+    """The shard files (``*.parquet``) of ``folder``, read on the driver and put in Ray's object store in name order."""
+    import pyarrow.parquet as pq
+    import ray
+
+    from raylora.cluster import ensure_ray
+
+    ensure_ray()
+    tables = [pq.read_table(path) for path in sorted(Path(folder).glob("*.parquet"))]
+    return Packs([ray.put(t) for t in tables], sum(t.num_rows for t in tables))
+
+
+def read_packs(packs: Packs):
+    """All packs as one ``pyarrow.Table`` (zero-copy from the object store on the same node)."""
+    import pyarrow as pa
+    import ray
+
+    return pa.concat_tables(ray.get(packs.tables))
+
+
+def worker_share(packs: Packs, rank: int = 0, world: int = 1) -> PackShard:
+    """Worker ``rank`` of ``world``'s :class:`PackShard` of ``packs``."""
+    return PackShard(interleave(read_packs(packs), rank, world))
+
+
+def interleave(table, rank: int, world: int):
+    """Rows ``rank, rank + world, rank + 2·world, ...`` of ``table``, the same count for every rank.
+
+    Interleaved, so that ``world`` workers with micro-batch ``b`` read together the rows one worker with
+    micro-batch ``world·b`` reads, and a run resumes with another worker count at the same place. The
+    ``num_rows % world`` last rows are left out, as Ray's equal split does.
+    """
+    import pyarrow as pa
+
+    share = table.num_rows // world
+    return table.take(pa.array(range(rank, share * world, world), pa.int64()))
+
+
+class PackShard:
+    """One worker's pack rows (a ``pyarrow.Table``), read in order.
+
+    ``iter_batches`` is the subset of Ray's ``DataIterator.iter_batches`` that training uses, so a Ray Train
+    dataset shard (a streamed job's) stands in for it.
+    """
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def iter_batches(self, *, batch_size: int, batch_format: str = "pyarrow", drop_last: bool = False) -> Iterator:
+        """``pyarrow.Table`` batches of ``batch_size`` rows in order; the last, shorter one only without ``drop_last``."""
+        if batch_format != "pyarrow":
+            raise ValueError(f"PackShard yields pyarrow tables only, not {batch_format!r}")
+        end = self.rows.num_rows - (self.rows.num_rows % batch_size if drop_last else 0)
+        for start in range(0, end, batch_size):
+            yield self.rows.slice(start, batch_size)

@@ -1,0 +1,87 @@
+"""What runs in a sweep trial's own process: :func:`run_trial`, one Ray Train run of the job with the trial's values.
+
+That process only drives the run, so it imports no model or data stack (see :mod:`raylora.train.trainer`);
+a grouped trial's process (:func:`raylora.tune.groups.run_member`) uses :func:`trial_config` and
+:func:`child_run` from here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from raylora.config import JobConfig, from_dict, to_dict
+from raylora.tracking import start_run
+from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
+from raylora.tune import space
+
+
+def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | None, uri: str | None) -> None:
+    """One trial (a Ray Tune function trainable): a Ray Train run of the job with the trial's ``values``.
+
+    It logs to an MLflow child run of ``parent`` and passes every report holding the sweep's metric to
+    Tune. Tune ends the trial's process as soon as ASHA stops it or its last step is reported, so
+    the driver, not this function, copies out the adapter and closes the child run
+    (:func:`_finish_trial`). A restored trial resumes its Train run from its own checkpoints.
+    Raises:
+        TrainingError: the run failed or diverged (an errored trial in Tune).
+    """
+    from ray import tune
+
+    # Ray Train's preemption watcher (an actor per run that logs node drains) is one more process for every
+    # trial to start; a trial's controller reads this variable from the trial's own process.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    trial_id = tune.get_context().get_trial_id()
+    out = Path(job["train"]["output_dir"]) / "trials" / trial_id
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = trial_config(job, values, out)
+    run_id = child_run(cfg, out, parent, trial_id, values)
+    settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.metric)]}
+    try:
+        check_outcome(build_trainer(cfg, out, datasets, run_id, settings).fit(), cfg)
+    except Exception as e:
+        raise TrainingError(f"trial {trial_id} ({values}): {e}") from None
+
+
+def trial_config(job: dict, values: dict[str, Any], out: Path) -> JobConfig:
+    return from_dict(space.apply(job, {**values, "train.output_dir": str(out)}))
+
+
+def _metric_reports(metric: str):
+    """A Ray Train callback passing to Tune the reports that hold ``metric`` (evaluation steps).
+
+    Tune refuses a result without the sweep's metric, and training reports eval loss only every
+    ``train.eval_every`` steps.
+    """
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class MetricReports(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metric in metrics[0]:
+                super().after_report(run_context, metrics, None)
+
+    return MetricReports()
+
+
+def child_run(cfg: JobConfig, out: Path, parent: str | None, trial_id: str, values: dict[str, Any]) -> str | None:
+    """The trial's MLflow child run: created once, and found again in ``out/mlflow_run.json`` when the trial resumes."""
+    if parent is None:
+        return None
+    saved = out / "mlflow_run.json"
+    if saved.exists():
+        return json.loads(saved.read_text())["run_id"]
+    label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in values.items())
+    run_id = start_run(
+        cfg.tracking,
+        f"{trial_id} {label}",
+        flatten(to_dict(cfg)),
+        tags={"mlflow.parentRunId": parent, "raylora.trial": trial_id},
+    )
+    saved.write_text(json.dumps({"run_id": run_id}))
+    return run_id
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,34 @@
+import pyarrow as pa
+import pytest
+
+from raylora.data.packs import PackShard, interleave
+
+
+def table(n: int) -> pa.Table:
+    return pa.table({"input_ids": [[i, i + 1] for i in range(n)], "num_tokens": list(range(n))})
+
+
+def test_workers_read_interleaved_equal_shares_that_together_are_one_workers_rows():
+    rows = table(11)
+    shares = [interleave(rows, rank, 2).column("num_tokens").to_pylist() for rank in range(2)]
+    assert shares == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]  # row 10 left out: equal shares, as Ray's split
+    assert interleave(rows, 0, 1).column("num_tokens").to_pylist() == list(range(11))
+
+    def batches(shard, size):
+        return [b.column("num_tokens").to_pylist() for b in shard.iter_batches(batch_size=size, drop_last=True)]
+
+    worker0, worker1 = (batches(PackShard(interleave(rows, rank, 2)), 2) for rank in range(2))
+    two_workers = [sorted(a + b) for a, b in zip(worker0, worker1, strict=True)]
+    one_worker = [
+        b.column("num_tokens").to_pylist() for b in PackShard(rows).iter_batches(batch_size=4, drop_last=True)
+    ]
+    assert two_workers == one_worker == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_batches_keep_order_and_drop_the_short_last_one_only_when_asked():
+    shard = PackShard(table(5))
+    assert [b.num_rows for b in shard.iter_batches(batch_size=2)] == [2, 2, 1]
+    assert [b.num_rows for b in shard.iter_batches(batch_size=2, drop_last=True)] == [2, 2]
+    assert next(shard.iter_batches(batch_size=2)).to_pylist() == table(2).to_pylist()
+    with pytest.raises(ValueError, match="pyarrow tables only"):
+        next(shard.iter_batches(batch_size=2, batch_format="numpy"))
