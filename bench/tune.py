@@ -4,7 +4,9 @@ Baseline: every trial runs to train.max_steps (tune.scheduler=none). Ours: ASHA 
 at 2, 4, 8 and 16 of 32 steps) stops trials whose eval loss lags. Each trial pays Ray Train's start-up (about
 30 s here) however early it stops, so ASHA's gain grows with the budget: --steps sets it. Both search the same grid (lora.rank 4 / 16 x
 train.lr 3e-2 / 1e-2 / 1e-3 / 1e-4) with two trials at a time on a 2-core machine, in one Ray session.
-Prints the wall time of each sweep, how many trials ASHA stopped, the best eval loss of each and the ratio.
+Prints the wall time of each sweep, how many trials ASHA stopped, the best eval loss of each and the ratio. Then,
+to say what "within noise" means here, it trains the no-scheduler sweep's best config with three other seeds
+(train.seed: LoRA's initial weights and dropout masks) and prints how far apart those equal configs land.
 
     .venv/bin/python bench/tune.py [--steps 32]
 """
@@ -23,16 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SPACE = "tune.space={lora.rank: {grid: [4, 16]}, train.lr: {grid: [3.0e-2, 1.0e-2, 1.0e-3, 1.0e-4]}}"
 
 
-def run(tmp: Path, name: str, scheduler: str, steps: int) -> dict:
+def run(tmp: Path, name: str, scheduler: str, steps: int, space: str = SPACE, *overrides: str) -> dict:
     from raylora.config import load_config
     from raylora.tune.sweep import sweep
 
     cfg = load_config(
         ROOT / "configs" / "tiny_sweep_cpu.yaml",
         [
-            SPACE, "tune.search=grid", "tune.num_samples=1", f"tune.scheduler={scheduler}", f"train.max_steps={steps}",
+            space, "tune.search=grid", "tune.num_samples=1", f"tune.scheduler={scheduler}", f"train.max_steps={steps}",
             f"data.sources=[{{path: {ROOT / 'data' / 'raylora_identity.jsonl'}}}]", f"data.output_dir={tmp}/data",
-            f"train.output_dir={tmp}/{name}", "tracking.enabled=false",
+            f"train.output_dir={tmp}/{name}", "tracking.enabled=false", *overrides,
         ],
     )  # fmt: skip
     started = time.perf_counter()
@@ -42,6 +44,7 @@ def run(tmp: Path, name: str, scheduler: str, steps: int) -> dict:
         "stopped": sum(r["status"] == "stopped early" for r in result["trials"]),
         "steps": sum(r["steps"] for r in result["trials"]),
         "best": result["best"],
+        "metrics": [r["metric"] for r in result["trials"]],
     }
 
 
@@ -56,6 +59,8 @@ def main() -> None:
         run(Path(tmp), "warm-up", "none", 2)  # warm-up: data prepared, Ray's worker processes and imports cached
         asha = run(Path(tmp), "asha", "asha", args.steps)
         full = run(Path(tmp), "none", "none", args.steps)
+        fixed = [f"{k}={v}" for k, v in full["best"]["config"].items()]
+        seeds = run(Path(tmp), "seeds", "none", args.steps, "tune.space={train.seed: {grid: [1, 2, 3]}}", *fixed)
     print(f"tiny Llama, 8 trials (rank 4/16 x lr 3e-2/1e-2/1e-3/1e-4), {args.steps} steps each, 2 trials at a time, 2 cores")
     for name, r in (("ASHA", asha), ("no scheduler", full)):
         best = ", ".join(f"{k}={v}" for k, v in r["best"]["config"].items())
@@ -63,6 +68,10 @@ def main() -> None:
               f"best eval_loss {r['best']['metric']:.4f} ({best})")  # fmt: skip
     print(f"wall time ratio (no scheduler / ASHA): {full['seconds'] / asha['seconds']:.2f}x; "
           f"best eval_loss difference {asha['best']['metric'] - full['best']['metric']:+.4f}")
+    spread = seeds["metrics"] + [full["best"]["metric"]]
+    print(f"noise: the no-scheduler best ({', '.join(fixed)}) with the sweep's seed and train.seed 1, 2, 3: eval_loss "
+          f"{min(spread):.4f} to {max(spread):.4f} (spread {max(spread) - min(spread):.4f}, "
+          f"{(max(spread) - min(spread)) / min(spread):.1%})")
 
 
 if __name__ == "__main__":

@@ -311,29 +311,21 @@ def eval_loss(model, pad_id: int, cfg: JobConfig, backend) -> float:
     """Cross-entropy per label token of ``model`` over the prepared eval shards, batched as training evaluates."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import torch
 
-    from raylora.data.collate import collate_packs
-    from raylora.ops.linear_ce import IGNORE_INDEX
+    from raylora.data.packs import PackShard
     from raylora.train.lm import LossModel
+    from raylora.train.loop import evaluate
 
     summary = json.loads((Path(cfg.data.output_dir) / "summary.json").read_text())
     files = sorted(Path(summary["splits"]["eval"]["shards"]).glob("*.parquet"))
-    rows = pa.concat_tables([pq.read_table(p) for p in files]).to_pylist() if files else []
-    if not rows:
+    rows = pa.concat_tables([pq.read_table(p) for p in files]) if files else None
+    if rows is None or rows.num_rows == 0:
         raise DemoError(f"the eval split in {cfg.data.output_dir} is empty; raise data.eval_fraction")
-    loss_model = LossModel(model, chunked=False)
-    device = backend.torch_device()
-    total, count = 0.0, 0
-    step = cfg.train.batch_size
-    with torch.no_grad():
-        for k in range(0, len(rows), step):
-            batch = collate_packs(rows[k : k + step], pad_id, backend.amp_dtype or model.dtype)
-            batch = {key: value.to(device) for key, value in batch.items()}
-            with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
-                total += loss_model(**batch).item()
-            count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    return total / count
+    mask_dtype = backend.amp_dtype or model.dtype
+    scores = evaluate(
+        LossModel(model, chunked=False), PackShard(rows), cfg.train.batch_size, pad_id, mask_dtype, backend, 1
+    )
+    return scores["eval_loss"]
 
 
 def free_port() -> int:

@@ -127,14 +127,22 @@ class Broker:
         self.waiting: set[str] = set()
         self.closed = False
 
-    async def join(self, trial: str, job: dict, out: str, resume_from: str | None) -> int:
-        """Place a trial in a group with a free place (waiting for one); returns the group's index."""
+    async def join(
+        self, trial: str, job: dict, out: str, resume_from: str | None, values: dict, parent: str | None
+    ) -> int:
+        """Place a trial in a group with a free place (waiting for one); returns the group's index.
+
+        ``values`` (the trial's searched values) and ``parent`` (the sweep's MLflow run) name its MLflow child run.
+        """
         while True:
             for index, places in enumerate(self.places):
                 if len(places) < self.per_group:
                     places.add(trial)
                     self.queues[trial] = asyncio.Queue()
-                    self.joins[index].append({"trial": trial, "job": job, "out": out, "resume_from": resume_from})
+                    self.joins[index].append(
+                        {"trial": trial, "job": job, "out": out, "resume_from": resume_from, "values": values,
+                         "parent": parent}
+                    )  # fmt: skip
                     self.wake[index].set()
                     return index
             await asyncio.sleep(0.1)
@@ -228,8 +236,12 @@ class GroupWorker:
         """Train members as they come and go; returns the number of steps taken."""
         import ray
 
+        from raylora.tracking import metric_logger, tracking_uri
+        from raylora.tune.trial import child_run
+
         group = self.group
         metric = group.cfg.tune.metric
+        loggers: dict[str, Any] = {}  # member -> its MLflow child run's metric logger (rank 0 logs for its members)
         held: set[str] = set()  # members whose metric report Tune has not answered yet (rank 0 keeps it)
         reports: list[tuple[str, dict]] = []
         steps = 0
@@ -251,6 +263,11 @@ class GroupWorker:
                     cfg = from_dict(join["job"])
                     resume = Path(join["resume_from"]) if join["resume_from"] else None
                     group.join(join["trial"], cfg, Path(join["out"]), resume)
+                    if group.rank == 0:
+                        run_id = child_run(cfg, Path(join["out"]), join["parent"], join["trial"], join["values"])
+                        loggers[join["trial"]] = metric_logger(
+                            tracking_uri(cfg.tracking) if run_id else None, run_id, 0
+                        )
                 except Exception as e:
                     reports.append((join["trial"], {"error": f"{type(e).__name__}: {e}"}))
             runnable = [name for name in group.members if name not in plan["held"]]
@@ -263,6 +280,9 @@ class GroupWorker:
                     group.leave(event.member)
                     continue
                 if event.report is not None:
+                    if loggers.get(event.member):
+                        metrics = {k: v for k, v in event.report.items() if k not in ("step", "resumed_from")}
+                        loggers[event.member](metrics, event.report["step"])
                     report = {**event.report, "done": int(event.status == "done")}
                     report["checkpoint"] = str(event.checkpoint) if event.checkpoint else None
                     reports.append((event.member, report))
@@ -357,8 +377,10 @@ def leave_callback(cfg: JobConfig):
     return LeaveGroup()
 
 
-def run_member(values: dict[str, Any], job: dict, parent: str | None, uri: str | None, broker, runs: list) -> None:
+def run_member(values: dict[str, Any], job: dict, parent: str | None, broker, runs: list) -> None:
     """One trial of a grouped sweep (a Tune function trainable): join a group, pass its reports on, until done.
+
+    Its group does the rest, MLflow included, so this process imports neither torch nor MLflow.
 
     Raises:
         TrainingError: the member diverged, could not join (its error), or its group ended.
@@ -366,20 +388,17 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, uri: str |
     import ray
     from ray import tune
 
-    from raylora.tracking import metric_logger
     from raylora.train.trainer import TrainingError
-    from raylora.tune.trial import child_run, trial_config
+    from raylora.tune.trial import trial_config
 
     trial_id = tune.get_context().get_trial_id()
     out = Path(job["train"]["output_dir"]) / "trials" / trial_id
     out.mkdir(parents=True, exist_ok=True)
     cfg = trial_config(job, values, out)
-    run_id = child_run(cfg, out, parent, trial_id, values)
     restored = tune.get_checkpoint()
     resume_from = restored.path if restored else None
-    index = ray.get(broker.join.remote(trial_id, to_dict(cfg), str(out), resume_from))
+    index = ray.get(broker.join.remote(trial_id, to_dict(cfg), str(out), resume_from, values, parent))
     (out / "group.json").write_text(json.dumps({"group": index, "resumed_from": resume_from}))
-    log_metrics = metric_logger(uri, run_id, 0)
     while True:
         pending = broker.next_report.remote(trial_id)
         ready, _ = ray.wait([pending, *runs[index]], num_returns=1)
@@ -391,8 +410,6 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, uri: str |
             raise TrainingError(f"trial {trial_id} ({values}): {report['error']}")
         folder = report.pop("checkpoint")
         done = report.pop("done")
-        if log_metrics:
-            log_metrics({k: v for k, v in report.items() if k not in ("step", "resumed_from")}, report["step"])
         if cfg.tune.metric in report:
             checkpoint = tune.Checkpoint.from_directory(folder) if folder else None
             tune.report({**report, "done": done}, checkpoint=checkpoint)

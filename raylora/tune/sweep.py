@@ -77,7 +77,6 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     check_enough(cfg, data.packs)
     out.mkdir(parents=True, exist_ok=True)
     parent = _parent_run(cfg, out, resume)
-    uri = tracking_uri(cfg.tracking) if parent else None
     callbacks = [_release_stopped_callback(out)]
     group_actors = None
     if cfg.tune.trials_per_group > 1:
@@ -85,11 +84,11 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
         group_actors = groups.start(cfg, data, group_count)
         callbacks.append(groups.leave_callback(cfg))
         trainable = tune.with_parameters(
-            groups.run_member, job=to_dict(cfg), parent=parent, uri=uri, broker=group_actors[0], runs=group_actors[1]
+            groups.run_member, job=to_dict(cfg), parent=parent, broker=group_actors[0], runs=group_actors[1]
         )
         layout = f", {group_count} group(s) of up to {cfg.tune.trials_per_group} trials sharing a base"
     else:
-        trainable = tune.with_parameters(run_trial, job=to_dict(cfg), datasets=datasets(data), parent=parent, uri=uri)
+        trainable = tune.with_parameters(run_trial, job=to_dict(cfg), datasets=datasets(data), parent=parent)
         layout = ""
     # The trial's own process only drives its Ray Train run (or its group's member), so it asks for no CPU: with
     # even 0.01 CPU, two one-CPU trials would not fit two cores. Tune refuses an empty request, hence memory.
@@ -239,8 +238,9 @@ def _release_placement_groups(trial_dir: Path) -> None:
 
     Tune ends a trial that ASHA stops by killing its process, and with it the Ray Train controller.
     The controller's placement group belongs to the sweep's driver, so it would hold its CPUs until the
-    sweep ends (Ray Train's own cleaner needs the dashboard's state API, which a local raylora cluster does
-    not start), and the next trials would wait for CPUs forever. Each worker records its group's id.
+    sweep ends, and the next trials would wait for CPUs forever. Ray Train's own cleaner removes it a
+    second or two later, but only on a cluster whose dashboard runs (a ``ray start --include-dashboard=false``
+    cluster has none). Each worker records its group's id.
     """
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group

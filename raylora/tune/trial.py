@@ -18,7 +18,7 @@ from raylora.train.trainer import TrainingError, build_trainer, check_outcome, f
 from raylora.tune import space
 
 
-def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | None, uri: str | None) -> None:
+def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | None) -> None:
     """One trial (a Ray Tune function trainable): a Ray Train run of the job with the trial's ``values``.
 
     It logs to an MLflow child run of ``parent`` and passes every report holding the sweep's metric to
