@@ -6,13 +6,13 @@ relative on every loss and 1e-5 on every adapter weight (the fused path orders i
 that join and leave change nothing in the others: that is checked bit for bit.
 """
 
-import multiprocessing
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
 from peft import PeftModel
+from ranks import run_two_ranks
 
 from raylora.backends import resolve_backend
 from raylora.config import from_dict
@@ -222,13 +222,7 @@ def _ddp_member(rank: int, folder: str) -> None:
 def test_two_workers_all_reduce_each_members_gradients(tmp_path):
     """Two gloo workers, each reading its half of the rows, train each member as one worker reading both halves'
     micro-batches side by side at twice the batch size (loss rel 1e-5, weights 1e-5)."""
-    context = multiprocessing.get_context("fork")
-    workers = [context.Process(target=_ddp_member, args=(r, str(tmp_path))) for r in (0, 1)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=300)
-    assert [w.exitcode for w in workers] == [0, 0]
+    run_two_ranks(_ddp_member, str(tmp_path))
     pair = torch.load(tmp_path / "result.pt")
     rows = _rows()
     side_by_side = [row for i in range(3) for row in rows[2 * i : 2 * i + 2] + rows[6 + 2 * i : 8 + 2 * i]]

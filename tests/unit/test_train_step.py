@@ -6,12 +6,12 @@ gradient norm and update (plain SGD, lr 1, no clipping: the update is the gradie
 model's options (fused LoRA, chunked loss, recompute) leave the loss and gradients unchanged.
 """
 
-import multiprocessing
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_two_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from raylora.backends import resolve_backend
@@ -85,13 +85,7 @@ def test_accumulation_and_workers_do_not_change_the_objective(tmp_path):
     assert whole["loss"] == pytest.approx(sum(sums) / 27, rel=1e-5)
     assert abs(whole["loss"] - sum(s / n for s, n in zip(sums, (9, 2, 14, 2), strict=True)) / 4) > 1e-3
 
-    context = multiprocessing.get_context("fork")
-    workers = [context.Process(target=_ddp_worker, args=(r, str(tmp_path))) for r in (0, 1)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=300)
-        assert w.exitcode == 0
+    run_two_ranks(_ddp_worker, str(tmp_path))
     _assert_same(torch.load(tmp_path / "result.pt"), whole)
 
 
