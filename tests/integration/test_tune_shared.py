@@ -5,11 +5,18 @@ Each trial is still a Tune trial (its row, its child run, its checkpoints and ad
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import mlflow
 import pytest
 from peft import PeftModel
+from processes import stop_processes
 
 from raylora.config import load_config
 from raylora.models import tiny_model
@@ -63,3 +70,41 @@ def test_each_trial_has_its_mlflow_child_run(swept):
     for child in children:
         steps = [m.step for m in client.get_metric_history(child.info.run_id, "loss")]
         assert steps == list(range(2, 2 * len(steps) + 1, 2)) and "eval_loss" in child.data.metrics
+
+
+def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path):
+    """Two trials share a group and finish; the driver is killed while the third trains; ``--resume`` restores the
+    sweep with Tune: the finished two are not rerun (their join records are untouched) and the third completes."""
+    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+    # Tune saves the sweep's state every 10 s or so by default: a trial that ended since the last save is rerun.
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TUNE_GLOBAL_CHECKPOINT_S": "0.5"}
+    cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
+           f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=false",
+           "tune.space={train.lr: {grid: [0.03, 0.02, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
+           "tune.scheduler=none", "tune.trials_per_group=2", "tune.max_concurrent=2", "train.max_steps=30"]  # fmt: skip
+    driver = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    trials = tmp_path / "sweep" / "trials"
+
+    def ended() -> int:
+        return sum(p.read_text().count("TERMINATED") for p in (tmp_path / "sweep" / "tune").glob("experiment_state*"))
+
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and (len(list(trials.glob("*/group.json"))) < 3 or ended() < 2):
+            time.sleep(0.2)  # the third trial joins once one of the first two has finished
+        joined = sorted(trials.glob("*/group.json"), key=lambda p: p.stat().st_mtime)
+        finished = {p: p.stat().st_mtime_ns for p in joined[:2]}
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+        stop_processes(ray_tmp)
+    assert len(joined) == 3 and ended() >= 2, "the first two trials never ended while the third trained"
+    resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    stop_processes(ray_tmp)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished  # neither finished trial joined a group again
+    rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
+    assert len(rows) == 3 and all(",completed,30," in row for row in rows), rows
+    assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
