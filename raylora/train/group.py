@@ -163,6 +163,7 @@ class Group:
             name, cfg, out, params, optimizer, scheduler, scaler, lr_scale, state, snap, generator, state.step
         )
         self.generators[name] = generator
+        self._keep_an_active_adapter()
         self._trainable()
 
     def leave(self, name: str) -> None:
@@ -171,7 +172,16 @@ class Group:
             return
         del self.members[name], self.generators[name]
         self.model.delete_adapter(name)
+        self._keep_an_active_adapter()
         self._trainable()
+
+    def _keep_an_active_adapter(self) -> None:
+        """peft's model names one active adapter and reads its config on every forward, but after a deletion it
+        moves that name on only when exactly one adapter remains active: a group whose first member left, or
+        whose members all left before a new one joined, failed with a KeyError. The grouped forward applies
+        every member's adapter to its own rows whatever peft calls active, so any member's name will do."""
+        if self.members and self.model.active_adapter not in self.model.peft_config:
+            self.model.set_adapter(next(iter(self.members)))
 
     def step(self, names: list[str] | None = None) -> list[Event]:
         """One optimizer step of the members ``names`` (default: all), their forward and backward passes grouped.

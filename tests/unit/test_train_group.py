@@ -148,6 +148,20 @@ def test_dropout_masks_are_each_members_own():
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_the_first_member_leaving_or_every_member_leaving_does_not_stop_the_group():
+    """peft keeps one active adapter name, the first member's; the group goes on when that member leaves, and
+    when every member has left and a new one joins."""
+    group = Group(_cfg(), _rows(), None)
+    for name in ("ma", "md", "mc"):
+        group.join(name, _cfg(name, log_every=1))
+    _run(group, 1)
+    group.leave("ma")
+    assert _run(group, 1).keys() == {"md", "mc"}
+    group.leave("md"), group.leave("mc")
+    group.join("mb", _cfg("mb", log_every=1))
+    assert _run(group, 1).keys() == {"mb"}
+
+
 def test_a_member_joining_mid_run_starts_at_its_own_step_zero():
     group = Group(_cfg(), _rows(), None)
     group.join("ma", _cfg("ma", log_every=1))
