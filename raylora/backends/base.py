@@ -58,12 +58,6 @@ class Backend:
         """``bf16``, ``fp16`` or ``fp32``: the autocast dtype by name."""
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.amp_dtype, "fp32")
 
-    @property
-    def uniform_dropout(self) -> bool:
-        """Whether LoRA dropout draws its mask as ``uniform >= p`` (:mod:`raylora.ops.dropout`): measured faster than
-        ``bernoulli_`` on CPU; on a device ``nn.Dropout``'s own kernel is kept (not measured there)."""
-        return self.name == "cpu"
-
     def torch_device(self, local_rank: int = 0) -> torch.device:
         """The worker's device; Ray's visible-devices variable makes local index ``local_rank`` valid."""
         return torch.device("cpu") if self.name == "cpu" else torch.device(self.name, local_rank)

@@ -13,7 +13,6 @@ from torch import nn
 
 from raylora.backends import Backend
 from raylora.config import TrainArgs
-from raylora.ops.dropout import use_uniform_dropout
 from raylora.ops.fused_lora import fuse_lora
 from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
 
@@ -104,8 +103,6 @@ def training_model(model: nn.Module, train: TrainArgs, backend: Backend) -> tupl
     notes = [f"precision: {backend.precision_by or backend.precision}"]
     if train.fused_lora:
         notes.append(f"fused LoRA: {fuse_lora(model)} layers")
-    if backend.uniform_dropout and (count := use_uniform_dropout(model)):
-        notes.append(f"LoRA dropout masks drawn as uniform >= p: {count} layers")
     causal_lm = model.get_base_model()
     if train.recompute_every:
         if not causal_lm.supports_gradient_checkpointing:

@@ -154,12 +154,3 @@ def test_ray_train_per_step_report_line_is_silenced():
 
     quiet_report_logs()
     assert not context.logger.isEnabledFor(logging.INFO) and context.logger.isEnabledFor(logging.WARNING)
-
-
-def test_on_cpu_lora_dropout_draws_its_masks_as_uniform_draws():
-    model = attach_lora(tiny_model("llama"), LoraArgs(rank=4, alpha=8, dropout=0.1, target_modules=["all-linear"]))
-    _, notes = training_model(model, TrainArgs(), BACKEND)
-    assert "LoRA dropout masks drawn as uniform >= p: 14 layers" in notes  # q k v o gate up down x 2 layers
-    assert {
-        type(d).__name__ for m in model.modules() if hasattr(m, "lora_dropout") for d in m.lora_dropout.values()
-    } == {"UniformDropout"}
