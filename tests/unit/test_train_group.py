@@ -8,6 +8,7 @@ that join and leave change nothing in the others: that is checked bit for bit.
 
 import random
 
+import pyarrow as pa
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from ranks import run_two_ranks
 
 from raylora.backends import resolve_backend
 from raylora.config import from_dict
+from raylora.data.packs import PackShard
 from raylora.models import attach_lora, tiny_model
 from raylora.train.checkpoint import TrainState
 from raylora.train.group import Group
@@ -58,19 +60,6 @@ def _rows(n: int = 12) -> list[dict]:
     return rows
 
 
-class _Shard:
-    """The Ray Data shard's ``iter_batches`` over a list of rows, for the alone path's ``micro_batches``."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    def iter_batches(self, batch_size, batch_format, drop_last):
-        import pyarrow as pa
-
-        for i in range(0, len(self.rows) - batch_size + 1, batch_size):
-            yield pa.Table.from_pylist(self.rows[i : i + batch_size])
-
-
 def _alone(cfg, rows, steps):
     """Train one adapter the way a Ray Train worker does; returns (losses, adapter weights by name)."""
     backend = resolve_backend(cfg.backend)
@@ -80,7 +69,7 @@ def _alone(cfg, rows, steps):
     optimizer = build_optimizer(model, cfg.train, backend)
     scheduler = build_scheduler(optimizer, cfg.train, [1.0])
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    batches = micro_batches(_Shard(rows), cfg.train.batch_size, TrainState(), 1)
+    batches = micro_batches(PackShard(pa.Table.from_pylist(rows)), cfg.train.batch_size, TrainState(), 1)
     cpu = torch.device("cpu")
     losses = [
         train_step(loss_model, batches, optimizer, scheduler, scaler, 0, torch.float32, cpu, cfg.train, backend, 1)[0]
