@@ -157,6 +157,9 @@ def _worker(rank: int, steps: int, lr: float, out: str) -> None:
     }
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
+    # Skip the interpreter's finalisation: it can free the process group on one of gloo's own threads, which then
+    # joins itself and aborts the rank (SIGABRT) after its results are saved.
+    os._exit(0)
 
 
 def main() -> None:

@@ -4,8 +4,8 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from peft import LoraConfig, get_peft_model
+from ranks import run_two_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from raylora.comm.hooks import CommHook, bytes_sent
@@ -117,7 +117,9 @@ JOBS = {"grads": _grads_job, "train": _train_job, "resume": _resume_job}
 
 def run(job: str, tmp_path, cases: list[dict]) -> list[list[dict]]:
     """``job`` for every case of options, in one pair of gloo processes; per case, the ranks' results."""
-    mp.spawn(_worker, args=(job, cases, str(tmp_path)), nprocs=WORLD)
+    # Forked ranks end with os._exit: a spawned interpreter's finalisation can free the process group on one of
+    # gloo's own threads, which then joins itself and aborts the rank after its results are saved.
+    run_two_ranks(_worker, job, cases, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     return [list(per_rank) for per_rank in zip(*ranks, strict=True)]
 
