@@ -2,7 +2,8 @@
 
 Position ids alone do not isolate examples in transformers' sdpa or eager attention; a 4D additive
 float mask, block-diagonal and causal, together with the restarting position ids, gives each
-example exactly the logits it has alone.
+example exactly the logits it has alone. The examples' boundaries go along too, for attention that
+computes each example on its own (:mod:`raylora.ops.packed_attention`).
 """
 
 from __future__ import annotations
@@ -32,15 +33,31 @@ def block_causal_mask(seq_lens: list[list[int]], width: int, dtype: torch.dtype 
     return mask[:, None]
 
 
+def segment_bounds(seq_lens: list[list[int]], width: int) -> torch.Tensor:
+    """Boundaries of the examples over the flattened ``(len(seq_lens) * width)`` tokens, int32, starting at 0:
+    each row's examples in order, then its padding (if any) as one more segment."""
+    bounds = [0]
+    for row, lens in enumerate(seq_lens):
+        end = row * width
+        for n in lens:
+            end += n
+            bounds.append(end)
+        if end < (row + 1) * width:
+            bounds.append((row + 1) * width)
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
 def collate_packs(
     rows: list[dict], pad_id: int, dtype: torch.dtype = torch.float32, width: int = 0
 ) -> dict[str, torch.Tensor]:
-    """A training batch from pack rows: ``input_ids``, ``labels``, ``position_ids`` (B, T) and ``attention_mask`` (B, 1, T, T).
+    """A training batch from pack rows: ``input_ids``, ``labels``, ``position_ids`` (B, T), ``attention_mask``
+    (B, 1, T, T) and ``cu_seq_lens``, the examples' boundaries of :func:`segment_bounds`.
 
     T is the longest row, or ``width`` when that is longer (a fixed T keeps every row's numbers independent
     of the other rows of the batch).
     """
     width = max(width, *(len(r["input_ids"]) for r in rows))
+    seq_lens = [list(r["seq_lens"]) for r in rows]
 
     def pad(key: str, value: int) -> torch.Tensor:
         return torch.tensor([list(r[key]) + [value] * (width - len(r[key])) for r in rows])
@@ -49,5 +66,6 @@ def collate_packs(
         "input_ids": pad("input_ids", pad_id),
         "labels": pad("labels", IGNORE_INDEX),
         "position_ids": pad("position_ids", 0),
-        "attention_mask": block_causal_mask([list(r["seq_lens"]) for r in rows], width, dtype),
+        "attention_mask": block_causal_mask(seq_lens, width, dtype),
+        "cu_seq_lens": segment_bounds(seq_lens, width),
     }

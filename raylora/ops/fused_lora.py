@@ -5,14 +5,18 @@ matrix products, a dropout (an identity module at p=0) and an elementwise scale 
 out_features) output, then an add. Here, in each adapted layer:
 
 - the down-projections of siblings that read the same input (q/k/v of attention, gate/up of the MLP) run as
-  one matrix product against their stacked ``A`` weights, rank columns each, at dropout 0 or in eval mode;
+  one matrix product against their stacked ``A`` weights, rank columns each, on one dropout of that input;
 - the scaling multiplies ``B`` (rank x out elements) instead of the output, and the up-projection is added
   to the base output by one ``addmm``.
 
 Parameters are peft's own, untouched, so ``save_pretrained`` still writes a plain peft adapter. A layer holding
-DoRA, a LoRA bias, several active adapters, merged weights or disabled adapters runs peft's forward. With
-dropout above 0 each layer keeps its own dropout mask (as peft does) and its own down-projection. The reference
-is peft's forward; ``tests/unit/test_ops_fused_lora.py`` holds the fused path to it.
+DoRA, a LoRA bias, several active adapters, merged weights or disabled adapters runs peft's forward.
+
+Dropout differs from peft's in two ways, both in how masks are drawn, not in their distribution: siblings share
+one mask (peft draws one per layer: 7 per decoder layer instead of 4, and one matrix product needs one input),
+and on CPU the mask comes from :func:`raylora.ops.dropout.lora_dropout`. Each layer still sees its input with
+every element kept with probability 1 - p and scaled by 1/(1 - p). The reference is peft's forward;
+``tests/unit/test_ops_fused_lora.py`` holds the fused path to it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylora.ops.dropout import lora_dropout
 from raylora.ops.lora import plain_lora
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one parent reading one input
@@ -39,8 +44,9 @@ class _Group:
         if self.x is not x:
             if layer is not self.members[0]:  # a sibling got another tensor: no shared input to use
                 return None
+            first = self.members[0]
             weights = [m.lora_A[m.active_adapters[0]].weight for m in self.members]
-            both = F.linear(_lora_input(x, weights[0]), torch.cat(weights))
+            both = F.linear(_dropped(first, _lora_input(x, weights[0])), torch.cat(weights))
             self.x = x
             self.parts = dict(
                 zip(map(id, self.members), both.split([w.shape[0] for w in weights], dim=-1), strict=True)
@@ -54,6 +60,12 @@ class _Group:
 def _lora_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # autocast casts inside the matmul; without it, a bf16 base feeding fp32 LoRA weights needs the cast
     return x if torch.is_autocast_enabled(x.device.type) else x.to(weight.dtype)
+
+
+def _dropped(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's LoRA dropout (``nn.Dropout`` or ``nn.Identity``) of ``x``, through :func:`lora_dropout`."""
+    dropout = layer.lora_dropout[layer.active_adapters[0]]
+    return lora_dropout(x, getattr(dropout, "p", 0.0), dropout.training)
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -70,11 +82,9 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = active[0]
     a, b = self.lora_A[name].weight, self.lora_B[name].weight
     result = self.base_layer(x, *args, **kwargs)
-    dropout = self.lora_dropout[name]
-    shared = self._raylora_group is not None and (not self.training or getattr(dropout, "p", 0.0) == 0)
-    down = self._raylora_group.down(self, x) if shared else None
+    down = self._raylora_group.down(self, x) if self._raylora_group is not None else None
     if down is None:
-        down = F.linear(dropout(_lora_input(x, a)), a)
+        down = F.linear(_dropped(self, _lora_input(x, a)), a)
     up = (b * self.scaling[name]).to(down.dtype)
     flat = torch.addmm(result.reshape(-1, result.shape[-1]).to(down.dtype), down.reshape(-1, down.shape[-1]), up.T)
     return flat.reshape(result.shape).to(result.dtype)
@@ -104,7 +114,8 @@ def fuse_lora(model: nn.Module) -> int:
             members = [
                 children[n] for n in names if n in children and getattr(children[n], "_raylora_group", 1) is None
             ]
-            if len(members) < 2 or len({m.in_features for m in members}) != 1:
+            dropouts = {getattr(m.lora_dropout[m.active_adapters[0]], "p", 0.0) for m in members}
+            if len(members) < 2 or len({m.in_features for m in members}) != 1 or len(dropouts) != 1:
                 continue
             group = _Group(members)
             for m in members:

@@ -35,6 +35,7 @@ from raylora.config import JobConfig
 from raylora.data.collate import collate_packs
 from raylora.models import load_model, target_modules
 from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
+from raylora.ops.packed_attention import use_packed_attention
 from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
 from raylora.train.lm import head_is_plain_linear
@@ -107,6 +108,7 @@ class Group:
         self.rank, self.world = rank, world
         self.base, tokenizer = load_model(cfg.model)
         self.base.to(self.device)
+        use_packed_attention(self.base)
         self.pad_id = tokenizer.pad_token_id
         self.mask_dtype = self.backend.amp_dtype or self.base.dtype
         self.model = None  # the peft model, built when the first member joins
@@ -378,6 +380,7 @@ class Group:
         losses = {}
         with torch.autocast(self.backend.name, dtype=amp, enabled=amp is not None):
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+            inputs["cu_seq_lens_q"] = batch["cu_seq_lens"]
             if self.chunked:
                 hidden = causal_lm.get_decoder()(**inputs).last_hidden_state
                 head = causal_lm.get_output_embeddings().weight

@@ -1,8 +1,11 @@
-"""The model as training runs it: fused LoRA, recompute every N layers, optional compile, and a loss module
-returning the summed cross-entropy over label tokens (chunked over the LM head where the model allows it).
+"""The model as training runs it: fused LoRA, recompute every N layers, per-example attention in packs,
+optional compile, and a loss module returning the summed cross-entropy over label tokens (chunked over the LM
+head where the model allows it).
 
 :func:`training_model` applies ``train.fused_lora``, ``train.recompute_every``, ``train.chunked_loss`` and
-``train.compile`` to a peft model, stores its frozen linear weights in the autocast dtype, and returns the :class:`LossModel` that DDP wraps, with one line per choice.
+``train.compile`` to a peft model, switches its sdpa attention to packed attention (not under compile), stores
+its frozen linear weights in the autocast dtype, and returns the :class:`LossModel` that DDP wraps, with one line
+per choice.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from raylora.backends import Backend
 from raylora.config import TrainArgs
 from raylora.ops.fused_lora import fuse_lora
 from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
+from raylora.ops.packed_attention import use_packed_attention
 
 
 class LossModel(nn.Module):
     """What DDP wraps: the peft model's forward to the summed loss, so the all-reduce hooks see every step.
 
-    ``forward(input_ids, labels, position_ids, attention_mask)`` (each (B, T); the mask (B, 1, T, T)) returns
-    the cross-entropy summed over label tokens, a 0-d fp32 tensor. With ``chunked`` the decoder's hidden states
+    ``forward(input_ids, labels, position_ids, attention_mask, cu_seq_lens)`` (each (B, T); the mask
+    (B, 1, T, T); the examples' boundaries, for packed attention) returns the cross-entropy summed over label
+    tokens, a 0-d fp32 tensor. With ``chunked`` the decoder's hidden states
     of the label positions go through :func:`~raylora.ops.linear_ce.linear_cross_entropy`; otherwise the
     model's own logits are scored in full.
     """
@@ -31,9 +36,12 @@ class LossModel(nn.Module):
         self.model = model
         self.chunked = chunked
 
-    def forward(self, input_ids, labels, position_ids, attention_mask) -> torch.Tensor:
+    def forward(self, input_ids, labels, position_ids, attention_mask, cu_seq_lens=None) -> torch.Tensor:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if cu_seq_lens is not None:
+            inputs["cu_seq_lens_q"] = cu_seq_lens
         if not self.chunked:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            logits = self.model(**inputs).logits
             return F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(),
                 labels[:, 1:].flatten(),
@@ -41,9 +49,7 @@ class LossModel(nn.Module):
                 reduction="sum",
             )
         causal_lm = self.model.get_base_model()
-        hidden = causal_lm.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        ).last_hidden_state
+        hidden = causal_lm.get_decoder()(**inputs).last_hidden_state
         rows, targets = label_positions(hidden, labels)
         kind = rows.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
@@ -116,6 +122,10 @@ def training_model(model: nn.Module, train: TrainArgs, backend: Backend) -> tupl
     if train.chunked_loss:
         chunked, why = head_is_plain_linear(model)
         notes.append(f"chunked loss: {'on' if chunked else 'off'} ({why})")
+    if train.compile:
+        notes.append("attention: sdpa over the block mask (per-example attention would recompile per batch)")
+    elif use_packed_attention(causal_lm):
+        notes.append("attention: each packed example on its own (raylora_packed)")
     if backend.amp_dtype is not None:
         count = store_frozen_linears(model, backend.amp_dtype)
         notes.append(f"frozen linear weights stored in {backend.precision}: {count} matrices")

@@ -5,6 +5,7 @@ result: the fused path's relative error (Frobenius norm) may be at most 1.25x pe
 """
 
 import copy
+import math
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -83,11 +84,39 @@ def test_one_down_projection_serves_q_k_and_v(monkeypatch):
     assert down == [(12, 64), (4, 64), (8, 64), (4, 128)] * 2
 
 
-def test_dropout_keeps_peft_s_masks_per_layer():
+def _pattern(shape, p, device="cpu"):
+    """A fixed keep pattern standing in for the random masks, so both paths can be given the same ones."""
+    return (torch.arange(math.prod(shape)) % 7 != 3).view(shape)
+
+
+class _Replay(torch.nn.Module):
+    """peft's dropout module, applying :func:`_pattern` with nn.Dropout's scale."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return x * _pattern(x.shape, self.p) / (1 - self.p) if self.training else x
+
+
+def test_siblings_share_one_dropout_mask_and_match_peft_given_the_same_masks(monkeypatch):
     reference, fused = _pair(dropout=0.3)
     fuse_lora(fused)
+    drawn = []
+
+    def recording(shape, p, device="cpu"):
+        drawn.append((tuple(shape), p))
+        return _pattern(shape, p)
+
+    monkeypatch.setattr("raylora.ops.dropout.keep_mask", recording)
+    for module in reference.modules():
+        if hasattr(module, "lora_dropout"):
+            module.lora_dropout["default"] = _Replay(0.3)
     fused.train(), reference.train()
-    _assert_same(_run(fused, seed=7), _run(reference, seed=7), 1e-5)
+    _assert_same(_run(fused), _run(reference), 1e-5)
+    # per decoder layer: one mask for q/k/v, one for o, one for gate/up, one for down (peft: seven)
+    assert drawn == [((2, 12, 64), 0.3)] * 3 + [((2, 12, 128), 0.3)] + [((2, 12, 64), 0.3)] * 3 + [((2, 12, 128), 0.3)]
     fused.eval(), reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(fused(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=1e-5)

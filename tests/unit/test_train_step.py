@@ -106,7 +106,7 @@ def _batch(row: dict) -> dict:
 )
 def test_training_options_keep_the_loss_and_gradients(options):
     reference, notes = _model(fused_lora=False, chunked_loss=False)
-    assert notes == ["precision: asked for: fp32"]
+    assert notes == ["precision: asked for: fp32", "attention: each packed example on its own (raylora_packed)"]
     ours, notes = _model(**options)
     assert any(n.startswith("chunked loss: on") for n in notes) is options["chunked_loss"]
     _assert_same(_step(ours, _rows(), per_micro=2, world=1), _step(reference, _rows(), per_micro=2, world=1))

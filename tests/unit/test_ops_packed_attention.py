@@ -1,0 +1,103 @@
+"""Per-example attention inside packed rows against sdpa over the block-causal mask: loss, LoRA gradients, logits.
+
+Tolerance: fp32 1e-5 (the same sums in another order). Under bf16 autocast, each path's relative error against
+the fp32 result (Frobenius norm) may be at most 1.25x the other's plus 1e-3.
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raylora.config import LoraArgs
+from raylora.data.collate import collate_packs, segment_bounds
+from raylora.models import attach_lora, randomise_lora, tiny_model
+from raylora.ops import packed_attention as packed
+from raylora.train.lm import LossModel
+
+WIDTH = 24
+
+
+def _rows() -> list[dict]:
+    """Two pack rows: three examples and two tokens of padding; two examples and seven of padding."""
+    gen = random.Random(0)
+    rows = []
+    for lens in ([9, 6, 7], [11, 6]):
+        ids = [gen.randrange(3, 200) for _ in range(sum(lens))]
+        labels = [t if gen.random() > 0.3 else -100 for t in ids]
+        rows.append({
+            "input_ids": ids, "labels": labels, "position_ids": [i for n in lens for i in range(n)],
+            "seq_lens": lens, "num_tokens": sum(lens),
+        })  # fmt: skip
+    return rows
+
+
+def _pair(chunked: bool):
+    model = attach_lora(tiny_model("llama"), LoraArgs(rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"]))
+    randomise_lora(model, 3, 0.1)
+    ours = copy.deepcopy(model)
+    assert packed.use_packed_attention(ours.get_base_model())
+    assert ours.get_base_model().config._attn_implementation == packed.NAME
+    assert model.get_base_model().config._attn_implementation == "sdpa"
+    return LossModel(model, chunked), LossModel(ours, chunked)
+
+
+def _run(loss_model, batch: dict, autocast: bool = False):
+    loss_model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = loss_model(**batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in loss_model.named_parameters() if p.requires_grad}
+    return loss.detach().float(), grads
+
+
+def test_segment_bounds_cover_each_example_then_the_row_s_padding():
+    assert segment_bounds([[9, 6, 7], [11, 6]], WIDTH).tolist() == [0, 9, 15, 22, 24, 35, 41, 48]
+    assert segment_bounds([[24], [10, 14]], WIDTH).tolist() == [0, 24, 34, 48]
+    assert collate_packs(_rows(), 0, width=WIDTH)["cu_seq_lens"].dtype == torch.int32
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_packed_attention_equals_the_block_mask_in_loss_and_gradients(chunked):
+    reference, ours = _pair(chunked)
+    batch = collate_packs(_rows(), 0, width=WIDTH)
+    exact = _run(reference, batch)
+    got = _run(ours, batch)
+    torch.testing.assert_close(got[0], exact[0], atol=1e-5, rtol=1e-5)
+    assert got[1].keys() == exact[1].keys() and len(exact[1]) > 0
+    for name in exact[1]:
+        torch.testing.assert_close(got[1][name], exact[1][name], atol=1e-5, rtol=1e-5, msg=name)
+
+    def errors(result):
+        pairs = [(result[0], exact[0])] + [(result[1][n], exact[1][n]) for n in exact[1]]
+        return [((a - b).norm() / b.norm()).item() for a, b in pairs]
+
+    mine, theirs = errors(_run(ours, batch, autocast=True)), errors(_run(reference, batch, autocast=True))
+    assert all(m <= 1.25 * t + 1e-3 for m, t in zip(mine, theirs, strict=True)), (mine, theirs)
+
+
+def test_each_example_attends_causally_on_its_own(monkeypatch):
+    _, ours = _pair(chunked=True)
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        calls.append((q.shape[1], kwargs.get("is_causal"), kwargs.get("attn_mask")))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(packed.F, "scaled_dot_product_attention", recording)
+    with torch.no_grad():
+        ours(**collate_packs(_rows(), 0, width=WIDTH))
+    layers = ours.model.get_base_model().config.num_hidden_layers
+    assert calls == [(n, True, None) for n in (9, 6, 7, 2, 11, 6, 7)] * layers
+
+
+def test_without_boundaries_the_model_answers_as_with_sdpa():
+    reference, ours = _pair(chunked=False)
+    ids = torch.tensor([[5, 17, 33, 8, 90, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours.model(input_ids=ids).logits, reference.model(input_ids=ids).logits)
+        kept = dict(max_new_tokens=5, do_sample=False)
+        assert torch.equal(ours.model.generate(input_ids=ids, **kept), reference.model.generate(input_ids=ids, **kept))
