@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 NAME = "raylora_packed"
+FLASH_FROM = 256  # example length (tokens) from which attend() takes sdpa's 4-D (flash) path
 
 
 def packed_attention(
@@ -50,13 +51,22 @@ def packed_attention(
 
     q, k, v = flat(query), flat(key), flat(value)
     bounds = cu_seq_lens_q.tolist()
-    parts = [
-        F.scaled_dot_product_attention(
-            q[:, s:e], k[:, s:e], v[:, s:e], is_causal=True, scale=scaling, enable_gqa=k.shape[0] != heads
-        )
-        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-    ]
+    parts = [attend(q[:, s:e], k[:, s:e], v[:, s:e], scaling) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     return torch.cat(parts, dim=1).reshape(heads, rows, width, dim).permute(1, 2, 0, 3), None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Causal attention of one example: q (H, n, D), k and v (H_kv, n, D) -> (H, n, D).
+
+    Below :data:`FLASH_FROM` tokens the 3-D call (sdpa's math kernel, grouped heads) is the faster one on CPU;
+    from there the 4-D call with repeated key/value heads (the flash kernel). Measured forward + backward on 2
+    cores, SmolLM2's 9 / 3 heads of 64, bf16: 128 tokens 1.5 against 2.4 ms, 256 5.6 / 5.3, 512 26.0 / 17.2.
+    """
+    heads = q.shape[0]
+    if q.shape[1] < FLASH_FROM:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[0] != heads)
+    k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling)[0]
 
 
 def use_packed_attention(model: nn.Module) -> bool:

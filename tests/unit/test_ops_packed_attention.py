@@ -101,3 +101,13 @@ def test_without_boundaries_the_model_answers_as_with_sdpa():
         torch.testing.assert_close(ours.model(input_ids=ids).logits, reference.model(input_ids=ids).logits)
         kept = dict(max_new_tokens=5, do_sample=False)
         assert torch.equal(ours.model.generate(input_ids=ids, **kept), reference.model.generate(input_ids=ids, **kept))
+
+
+@pytest.mark.parametrize("n", [packed.FLASH_FROM - 1, packed.FLASH_FROM + 40])
+def test_both_kernels_give_each_example_its_causal_attention(n):
+    gen = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(h, n, 16, generator=gen) for h in (4, 2, 2))
+    scores = (q @ k.repeat_interleave(2, 0).transpose(1, 2)) * 0.3
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    expected = scores.softmax(-1) @ v.repeat_interleave(2, 0)
+    torch.testing.assert_close(packed.attend(q, k, v, 0.3), expected, atol=1e-5, rtol=1e-5)
