@@ -46,6 +46,8 @@ bench: install
 	$(PY) bench/quant.py
 	$(PY) bench/serve.py
 	$(PY) bench/train_throughput.py
+	$(PY) bench/lora_dropout.py
+	$(PY) bench/packed_attention.py
 
 lint: install
 	$(VENV)/bin/ruff check raylora tests jobs bench
