@@ -2,10 +2,9 @@
 
 A pack row holds several examples. The block-causal 4D mask of :mod:`raylora.data.collate` gives each example
 exactly its own logits, but sdpa then computes the whole T x T square of every row and masks most of it. Given
-the examples' boundaries over the flattened ``(B*T)`` tokens (flash-attention's ``cu_seqlens``,
-:func:`raylora.data.collate.segment_bounds`), each example's
-causal attention runs on its own: the work is the sum of n_i^2 / 2 instead of T^2, and sdpa's causal kernel
-needs no mask. The math is the same; only the summation order differs. A row's padding is one more causal
+the examples' boundaries over the flattened ``(B*T)`` tokens (flash-attention's ``cu_seqlens``, from
+:func:`raylora.data.collate.segment_bounds`), each example's causal attention runs on its own: the work is the
+sum of n_i^2 / 2 instead of T^2, and sdpa's causal kernel needs no mask. The math is the same; only the summation order differs. A row's padding is one more causal
 segment whose outputs nothing reads (its labels are ignored and it comes after every example of its row).
 
 The function is registered with transformers' ``AttentionInterface`` under :data:`NAME`; without boundaries
@@ -35,8 +34,8 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (B, H, T, D), key and value (B, H_kv, T, D); returns (B, T, H, D).
 
-    With ``cu_seq_lens_q`` (from :func:`~raylora.data.collate.segment_bounds`) each segment attends causally within itself and the
-    mask is not read; otherwise, or with attention dropout, this is transformers' sdpa attention.
+    With ``cu_seq_lens_q`` (from :func:`~raylora.data.collate.segment_bounds`) each segment attends causally
+    within itself and the mask is not read; otherwise, or with attention dropout, this is transformers' sdpa.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
