@@ -328,18 +328,10 @@ def eval_loss(model, pad_id: int, cfg: JobConfig, backend) -> float:
     return scores["eval_loss"]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str], None]) -> dict[str, str]:
     """``ray start --head`` on 127.0.0.1 with every port free (another cluster on this machine may hold Ray's
     defaults), Ray's files in ``temp_dir``; returns the dashboard (job API) URL."""
-    from raylora.serve.launch import port_holder
+    from raylora.serve.launch import free_port, port_holder
 
     dashboard = 8265 if port_holder("127.0.0.1", 8265) is None else free_port()
     ports = {name: free_port() for name in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",

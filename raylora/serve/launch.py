@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import time
@@ -65,6 +66,32 @@ def port_holder(host: str, port: int) -> str | None:
                 command = "?"
             return f"process {conn.pid} ({command[:160]})"
     return "another process"
+
+
+_GIVEN: set[int] = set()  # ports free_port has handed out in this process
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to, drawn at random from 20000-29999 and not handed out before in this process.
+
+    Not a port the kernel picks (binding port 0): those come from the ephemeral range (32768-60999 on Linux), where
+    Ray's own processes bind theirs too, so a Ray process started after the pick can take it first. 20000-29999
+    lies between Ray's worker ports (10002-19999) and that range.
+    Raises:
+        OSError: every port tried is taken.
+    """
+    draws = random.Random()
+    for port in draws.sample(range(20000, 30000), 500):
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise OSError(f"no free port on {host} in 20000-29999 after 500 tries")
 
 
 def _model_problems(cfg: JobConfig) -> list[str]:

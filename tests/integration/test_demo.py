@@ -5,7 +5,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -14,14 +13,10 @@ from pathlib import Path
 import mlflow
 from processes import stop_processes
 
+from raylora.serve.launch import free_port
+
 BIN = Path(sys.executable).parent
 STAGES = ("prepare", "before", "train", "sweep", "serve", "report")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def demo(root: Path, tmp_path: Path, *overrides: str, keep: bool = False) -> subprocess.CompletedProcess:

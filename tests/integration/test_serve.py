@@ -4,7 +4,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,17 +23,11 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 from raylora.registry import register
-from raylora.serve.launch import APP_NAME, start
+from raylora.serve.launch import APP_NAME, free_port, start
 from raylora.tracking import experiment_id
 
 KEY, ADMIN = "sk-test-key", "admin-test-key"
 QUESTION = [{"role": "user", "content": "Who are you?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _save_adapter(folder, seed: int, rank: int = 4, hidden: int | None = None):
@@ -64,7 +57,7 @@ def server(tmp_path_factory, ray_session):
     _save_adapter(tmp / "trained" / "adapter", seed=7)
     cfg = from_dict({
         "model": {"name_or_path": "tiny-llama"},
-        "serve": {"port": _free_port(), "adapter_root": str(root), "max_adapters": 1, "max_lora_rank": 16,
+        "serve": {"port": free_port(), "adapter_root": str(root), "max_adapters": 1, "max_lora_rank": 16,
                   "max_batch_size": 8, "api_key": KEY, "admin_key": ADMIN, "cpus_per_replica": 0.5},
         "backend": {"device": "cpu"},
         "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db"},

@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,9 @@ import psutil
 import pytest
 import requests
 
-from raylora.serve.launch import port_holder
+from raylora.serve.launch import free_port, port_holder
 
 RAYLORA = str(Path(sys.executable).with_name("raylora"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _session_processes(ray_tmp: Path) -> list[psutil.Process]:
@@ -33,7 +26,7 @@ def _session_processes(ray_tmp: Path) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_serve_stops_cleanly_on_a_signal(signum, tmp_path):
-    port = _free_port()
+    port = free_port()
     ray_tmp = Path(f"/tmp/rl-{os.getpid()}-{signum}")
     ray_tmp.mkdir(exist_ok=True)
     proc = subprocess.Popen(

@@ -4,7 +4,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,10 @@ from processes import stop_processes
 from ray.cluster_utils import Cluster
 
 from raylora.config import load_config
+from raylora.serve.launch import free_port
 from raylora.train.fit import fit
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
