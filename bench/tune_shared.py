@@ -1,8 +1,9 @@
 """Shared-base sweep benchmark: the same 8-trial grid and budget, tune.trials_per_group 1 against K, back to back.
 
 Baseline: trials_per_group=1, today's sweep: each trial is its own Ray Train run (its own processes, its own copy of
-the base model), two one-CPU trials at a time on a 2-core machine. Ours: trials_per_group=K (default 4): two
-one-CPU groups, each training K trials at once on one copy of the base. Both search lora.rank 4 / 16 x train.lr
+the base model), two one-CPU trials at a time on a 2-core machine. Ours: trials_per_group=K (default 4): as many
+groups as the 8 trials fill (two of 4, or one of 8), each training its trials at once on one copy of the base, with
+``--group-cpus`` CPUs (train.cpus_per_worker; 2 gives one group of 8 both cores). Both search lora.rank 4 / 16 x train.lr
 3e-2 / 1e-2 / 1e-3 / 1e-4 on the tiny model with every trial run to train.max_steps (tune.scheduler=none, so both
 do the same work), in one Ray session after a warm-up sweep.
 
@@ -57,7 +58,7 @@ class PeakMemory:
             self.peak = max(self.peak, total)
 
 
-def run(tmp: Path, name: str, k: int, steps: int, model: str) -> dict:
+def run(tmp: Path, name: str, k: int, steps: int, model: str, cpus: int = 1) -> dict:
     from raylora.config import load_config
     from raylora.tune.sweep import sweep
 
@@ -65,7 +66,7 @@ def run(tmp: Path, name: str, k: int, steps: int, model: str) -> dict:
         ROOT / "configs" / "tiny_sweep_cpu.yaml",
         [
             SPACE, "tune.search=grid", "tune.num_samples=1", "tune.scheduler=none", f"train.max_steps={steps}",
-            f"tune.trials_per_group={k}", f"model.name_or_path={model}",
+            f"tune.trials_per_group={k}", f"model.name_or_path={model}", f"train.cpus_per_worker={cpus}",
             f"data.sources=[{{path: {ROOT / 'data' / 'raylora_identity.jsonl'}}}]", f"data.output_dir={tmp}/data-{model}",
             f"train.output_dir={tmp}/{name}", "tracking.enabled=false",
         ],
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--k", type=int, default=4, help="trials per group of the shared-base sweep")
     parser.add_argument("--model", default="tiny-llama", help="e.g. smollm2-135m-instruct (needs its files cached)")
+    parser.add_argument("--group-cpus", type=int, default=1, help="train.cpus_per_worker of the shared side's groups")
     args = parser.parse_args()
     from raylora.cluster import ensure_ray
 
@@ -88,9 +90,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run(Path(tmp), "warm-up", 1, 2, args.model)  # data prepared, Ray's worker processes and imports cached
         alone = run(Path(tmp), "alone", 1, args.steps, args.model)
-        shared = run(Path(tmp), "shared", args.k, args.steps, args.model)
+        shared = run(Path(tmp), "shared", args.k, args.steps, args.model, args.group_cpus)
     print(f"{args.model}, 8 trials (rank 4/16 x lr 3e-2/1e-2/1e-3/1e-4), {args.steps} steps each, no scheduler, "
-          f"two one-CPU workers or groups at a time, {os.cpu_count()} cores")  # fmt: skip
+          f"one-CPU trials, groups of {args.group_cpus} CPU(s), {os.cpu_count()} cores")  # fmt: skip
     for name, r in (("trials_per_group=1", alone), (f"trials_per_group={args.k}", shared)):
         best = ", ".join(f"{key}={value}" for key, value in r["best"]["config"].items())
         print(f"{name:19s} {r['seconds']:6.1f} s  peak memory {r['peak_gb']:5.2f} GB  "

@@ -102,10 +102,12 @@ def _check_targets(cfg: JobConfig) -> list[tuple[str, str]]:
 
 
 def plan(cfg: JobConfig, worker_slots: int) -> tuple[int, int]:
-    """``(groups, trials at once)``: as many groups as the cluster fits workers (at most enough for
-    ``tune.max_concurrent`` trials), K trials each."""
+    """``(groups, trials at once)``: as many groups as the cluster fits workers, but no more than the sweep's trials
+    (and ``tune.max_concurrent``) fill at K trials each: a group without members would hold a base for nothing."""
+    from raylora.tune.space import trial_count
+
     k = cfg.tune.trials_per_group
-    wanted = cfg.tune.max_concurrent or worker_slots * k
+    wanted = min(cfg.tune.max_concurrent or worker_slots * k, trial_count(cfg.tune))
     groups = max(1, min(worker_slots, math.ceil(wanted / k)))
     return groups, min(wanted, groups * k)
 
@@ -130,12 +132,13 @@ class Broker:
     async def join(
         self, trial: str, job: dict, out: str, resume_from: str | None, values: dict, parent: str | None
     ) -> int:
-        """Place a trial in a group with a free place (waiting for one); returns the group's index.
+        """Place a trial in the group with the fewest members that has a free place (waiting for one); returns the
+        group's index. Filling the emptiest first spreads the trials over every group's CPUs / devices.
 
         ``values`` (the trial's searched values) and ``parent`` (the sweep's MLflow run) name its MLflow child run.
         """
         while True:
-            for index, places in enumerate(self.places):
+            for index, places in sorted(enumerate(self.places), key=lambda item: len(item[1])):
                 if len(places) < self.per_group:
                     places.add(trial)
                     self.queues[trial] = asyncio.Queue()

@@ -173,6 +173,16 @@ def to_tune(space: dict[str, dict[str, Any]], search: str) -> dict[str, Any]:
     return domains
 
 
+def trial_count(tune_args) -> int:
+    """How many trials a sweep runs: ``num_samples`` times the size of every grid (Tune repeats each grid per sample)."""
+    count = tune_args.num_samples
+    for spec in tune_args.space.values():
+        kind, values = next(iter(spec.items()))
+        if kind == "grid" or (kind == "choice" and tune_args.search == "grid"):
+            count *= len(values)
+    return count
+
+
 def apply(job: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``job`` (a :func:`~raylora.config.to_dict` dict) with dotted ``values`` set."""
     out = copy.deepcopy(job)

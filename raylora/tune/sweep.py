@@ -80,13 +80,19 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     callbacks = [_release_stopped_callback(out)]
     group_actors = None
     if cfg.tune.trials_per_group > 1:
-        group_count, at_once = groups.plan(cfg, at_once)
+        slots = at_once
+        group_count, at_once = groups.plan(cfg, slots)
         group_actors = groups.start(cfg, data, group_count)
         callbacks.append(groups.leave_callback(cfg))
         trainable = tune.with_parameters(
             groups.run_member, job=to_dict(cfg), parent=parent, broker=group_actors[0], runs=group_actors[1]
         )
         layout = f", {group_count} group(s) of up to {cfg.tune.trials_per_group} trials sharing a base"
+        if group_count < slots:
+            layout += (
+                f" ({slots - group_count} of {slots} worker slots left free: the trials fill {group_count}; "
+                "raise train.cpus_per_worker or train.num_workers to give each group more)"
+            )
     else:
         trainable = tune.with_parameters(run_trial, job=to_dict(cfg), datasets=datasets(data), parent=parent)
         layout = ""
@@ -94,7 +100,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     # even 0.01 CPU, two one-CPU trials would not fit two cores. Tune refuses an empty request, hence memory.
     trainable = tune.with_resources(trainable, {"cpu": 0, "memory": TRIAL_DRIVER_MEMORY})
     log(
-        f"sweep: {cfg.tune.num_samples} trial(s), {at_once} at a time{layout}, {cfg.tune.search} search, "
+        f"sweep: {space.trial_count(cfg.tune)} trial(s), {at_once} at a time{layout}, {cfg.tune.search} search, "
         f"scheduler {cfg.tune.scheduler}"
     )
     if resume:

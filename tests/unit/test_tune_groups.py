@@ -23,8 +23,44 @@ def test_the_shipped_tiny_sweep_groups():
     cfg = load_config(CONFIG, ["tune.trials_per_group=4"])
     space.check(cfg)
     groups.check(cfg)
-    assert groups.plan(cfg, worker_slots=2) == (2, 8)
+    assert groups.plan(cfg, worker_slots=2) == (1, 4)  # its 4 trials fill one group: no second, empty one
     assert groups.plan(load_config(CONFIG, ["tune.trials_per_group=4", "tune.max_concurrent=3"]), 2) == (1, 3)
+
+
+GRID8 = "tune.space={lora.rank: {grid: [4, 16]}, train.lr: {grid: [3.0e-2, 1.0e-2, 1.0e-3, 1.0e-4]}}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "slots", "planned"),
+    [
+        ([GRID8, "tune.num_samples=1", "tune.trials_per_group=4"], 2, (2, 8)),
+        ([GRID8, "tune.num_samples=1", "tune.trials_per_group=8"], 2, (1, 8)),
+        ([GRID8, "tune.num_samples=2", "tune.trials_per_group=4"], 3, (3, 12)),  # a grid repeats per sample
+        # choice is a grid under grid search: 3 trials, 2 groups of up to 2
+        (
+            [
+                "tune.search=grid",
+                "tune.space={lora.rank: {choice: [4, 8, 16]}}",
+                "tune.num_samples=1",
+                "tune.trials_per_group=2",
+            ],
+            4,
+            (2, 3),
+        ),
+    ],
+)
+def test_groups_are_planned_from_the_trials_the_sweep_runs(overrides, slots, planned):
+    assert groups.plan(load_config(CONFIG, overrides), slots) == planned
+
+
+def test_the_broker_fills_the_emptiest_group_first():
+    import asyncio
+
+    async def place(trials: int) -> list[int]:
+        broker = groups.Broker(groups=2, per_group=4)
+        return [await broker.join(f"t{i}", {}, "", None, {}, None) for i in range(trials)]
+
+    assert asyncio.run(place(6)) == [0, 1, 0, 1, 0, 1]
 
 
 def test_fewer_than_one_trial_per_group():
