@@ -34,11 +34,12 @@ from raylora.backends import resolve_backend
 from raylora.config import JobConfig
 from raylora.data.collate import collate_packs
 from raylora.models import load_model, target_modules
+from raylora.ops.dropout import lora_dropout
 from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
 from raylora.ops.packed_attention import use_packed_attention
 from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
-from raylora.train.lm import head_is_plain_linear
+from raylora.train.lm import enable_recompute, head_is_plain_linear, store_frozen_linears
 from raylora.train.optim import adamw, build_scheduler
 
 DROPOUT_STATE = "dropout_rng.pt"  # a member checkpoint's dropout generator state, beside state.pt
@@ -107,8 +108,15 @@ class Group:
         self.rows, self.eval_rows = rows, eval_rows or []
         self.rank, self.world = rank, world
         self.base, tokenizer = load_model(cfg.model)
-        self.base.to(self.device)
+        self.base.requires_grad_(False).to(self.device)
         use_packed_attention(self.base)
+        if cfg.train.recompute_every:
+            enable_recompute(self.base, cfg.train.recompute_every)
+        if self.backend.amp_dtype is not None:
+            # as a Ray Train worker does (raylora.train.lm.store_frozen_linears): no fp32 copy of the base and no
+            # cast per forward. peft then rounds each new member's initial LoRA weights to this dtype before it
+            # casts them back to fp32, a relative change below 2^-8 from the same member trained alone.
+            store_frozen_linears(self.base, self.backend.amp_dtype)
         self.pad_id = tokenizer.pad_token_id
         self.mask_dtype = self.backend.amp_dtype or self.base.dtype
         self.model = None  # the peft model, built when the first member joins
@@ -147,7 +155,9 @@ class Group:
         for _, p in named:
             p.requires_grad_(True)
         if self.chunked is False and cfg.train.chunked_loss:
-            self.chunked = head_is_plain_linear(self.model)[0]
+            amp = self.backend.amp_dtype
+            with torch.autocast(self.backend.name, dtype=amp, enabled=amp is not None):  # the base may be stored in amp
+                self.chunked = head_is_plain_linear(self.model)[0]
         optimizer = adamw(named, cfg.train, self.backend)
         lr_scale = [1.0]
         scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
@@ -440,26 +450,20 @@ class Group:
 
 
 def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """``base(x)`` over all rows, plus each member's ``B(A(dropout(x))) * scaling`` on its own rows (peft's order).
+    """``base(x)`` over all rows, plus, added in place to each member's own rows, ``(dropout(x) A^T)(s B)^T``.
 
-    Dropout draws from the member's own generator, so its masks do not depend on the other members.
+    Dropout draws from the member's own generator (:func:`raylora.ops.dropout.lora_dropout`), so its masks do not
+    depend on the other members. The scaling multiplies ``B`` (rank x out elements), as the fused LoRA linear does.
 
     ``x``: (rows, tokens, in_features), rows stacked member after member as ``self._raylora_spans`` says.
     """
     result = self.base_layer(x, *args, **kwargs)
-    pieces = []
     for name, span in self._raylora_spans.items():
-        part = result[span]
-        if name in self.lora_A:
-            a, b = self.lora_A[name].weight, self.lora_B[name].weight
-            rows = x[span] if torch.is_autocast_enabled(x.device.type) else x[span].to(a.dtype)
-            p = getattr(self.lora_dropout[name], "p", 0.0)
-            if self.training and p > 0:
-                keep = torch.empty_like(rows).bernoulli_(1 - p, generator=self._raylora_generators[name])
-                rows = rows * keep / (1 - p)
-            lora = F.linear(F.linear(rows, a), b) * self.scaling[name]
-            part = (part + lora).to(result.dtype)
-        pieces.append(part)
-    if not pieces:
-        return result
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if name not in self.lora_A:
+            continue
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        rows = x[span] if torch.is_autocast_enabled(x.device.type) else x[span].to(a.dtype)
+        p = getattr(self.lora_dropout[name], "p", 0.0)
+        rows = lora_dropout(rows, p, self.training, self._raylora_generators[name])
+        result[span] += F.linear(F.linear(rows, a), b * self.scaling[name]).to(result.dtype)
+    return result

@@ -98,6 +98,20 @@ def store_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
+def enable_recompute(causal_lm: nn.Module, every: int) -> None:
+    """Recompute the activations of every ``every``-th decoder layer in the backward (non-reentrant checkpoints).
+
+    Raises:
+        ValueError: a model transformers cannot checkpoint.
+    """
+    if not causal_lm.supports_gradient_checkpointing:
+        raise ValueError(
+            f"train.recompute_every={every}: {type(causal_lm).__name__} does not support activation checkpointing; "
+            "set train.recompute_every=0."
+        )
+    causal_lm.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every)
+
+
 def training_model(model: nn.Module, train: TrainArgs, backend: Backend) -> tuple[LossModel, list[str]]:
     """Apply the training-speed options to a peft ``model`` (in place) and wrap it for the loop.
 
@@ -111,12 +125,7 @@ def training_model(model: nn.Module, train: TrainArgs, backend: Backend) -> tupl
         notes.append(f"fused LoRA: {fuse_lora(model)} layers")
     causal_lm = model.get_base_model()
     if train.recompute_every:
-        if not causal_lm.supports_gradient_checkpointing:
-            raise ValueError(
-                f"train.recompute_every={train.recompute_every}: {type(causal_lm).__name__} does not support "
-                "activation checkpointing; set train.recompute_every=0."
-            )
-        causal_lm.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=train.recompute_every)
+        enable_recompute(causal_lm, train.recompute_every)
         notes.append(f"recompute: every {train.recompute_every} decoder layer(s), non-reentrant")
     chunked = False
     if train.chunked_loss:

@@ -40,3 +40,14 @@ def test_eval_mode_and_p_zero_return_the_input_itself():
     x = torch.randn(4, 8)
     assert lora_dropout(x, 0.3, training=False) is x
     assert lora_dropout(x, 0.0, training=True) is x
+
+
+def test_a_generator_owns_its_masks_whatever_the_global_seed():
+    x = torch.ones(64, 48)
+    masks = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        masks.append(lora_dropout(x, 0.25, True, torch.Generator().manual_seed(7)))
+    assert torch.equal(masks[0], masks[1])
+    assert not torch.equal(masks[0], lora_dropout(x, 0.25, True, torch.Generator().manual_seed(8)))
+    assert (masks[0] == 0).float().mean().item() == pytest.approx(0.25, abs=0.03)

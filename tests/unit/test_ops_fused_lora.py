@@ -105,7 +105,7 @@ def test_siblings_share_one_dropout_mask_and_match_peft_given_the_same_masks(mon
     fuse_lora(fused)
     drawn = []
 
-    def recording(shape, p, device="cpu"):
+    def recording(shape, p, device="cpu", generator=None):
         drawn.append((tuple(shape), p))
         return _pattern(shape, p)
 

@@ -237,3 +237,28 @@ def test_two_workers_all_reduce_each_members_gradients(tmp_path):
         assert pair["losses"][name] == pytest.approx(losses[name], rel=1e-5)
         for key, value in _weights(one.model, name).items():
             torch.testing.assert_close(pair[name][key], value, atol=1e-5, rtol=1e-5, msg=f"{name} {key}")
+
+
+def test_recompute_reruns_each_layer_in_the_backward_and_changes_no_number():
+    """train.recompute_every applies to the group's one forward as to a worker's (it is a key members share)."""
+    plain, recomputed = Group(_cfg(), _rows(), None), Group(_cfg(recompute_every=1), _rows(), None)
+    calls = []
+    recomputed.base.model.layers[0].register_forward_hook(lambda *_: calls.append(1))
+    for group in (plain, recomputed):
+        for name in ("ma", "mb"):
+            group.join(name, _cfg(name, log_every=1, recompute_every=group.cfg.train.recompute_every))
+    ours, theirs = _run(recomputed, 2), _run(plain, 2)
+    assert ours.keys() == theirs.keys() and all(ours[k] == pytest.approx(theirs[k], rel=1e-6) for k in ours)
+    assert len(calls) == 2 * 2  # each step: the forward, and again in the backward
+
+
+def test_a_bf16_group_stores_the_frozen_base_in_bf16_and_trains_fp32_adapters():
+    cfg = from_dict({**BASE, "backend": {"device": "cpu", "precision": "bf16"}})
+    group = Group(cfg, _rows(), None)
+    group.join("ma", _cfg("ma", log_every=1))
+    dtypes = {(n.split(".")[-2] if "lora_" in n else "base"): p.dtype for n, p in group.model.named_parameters()
+              if n.endswith("proj.weight") or "base_layer" in n or "lora_" in n}  # fmt: skip
+    assert dtypes == {"base": torch.bfloat16, "ma": torch.float32}
+    fp32 = Group(_cfg(), _rows(), None)
+    fp32.join("ma", _cfg("ma", log_every=1))
+    assert _run(group, 3)["ma"] == pytest.approx(_run(fp32, 3)["ma"], rel=5e-3)  # bf16 matmuls: 0.1% seen

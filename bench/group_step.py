@@ -1,0 +1,120 @@
+"""The grouped step on its own: K LoRA members trained by one :class:`raylora.train.group.Group` against one member
+alone, each in a fresh process, and the profile of a grouped step.
+
+What a shared-base sweep saves or costs per step, without Tune, Ray or MLflow around it (bench/tune_shared.py
+measures whole sweeps). Every run is a fresh Python process (so its peak RSS is its own) on the same 48 synthetic
+rows (64-128 random token ids, the first quarter masked as prompt), ``--width`` tokens wide, batch 2, LoRA on
+``--targets`` with rank 4 or 16 (members alternate) and lr 1e-3, the machine's default precision. It prints, for
+one member alone and for groups of K: the median step time after 2 warm-up steps, the time per member-step, and
+the process's peak RSS; then the ratios against K separate processes (K x the alone figures, what
+trials_per_group=1 pays when K trials run at once), and torch.profiler's top operators of one grouped step.
+
+    .venv/bin/python bench/group_step.py [--model smollm2-135m-instruct] [--k 4 8] [--recompute 0 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _rows(width: int, n: int = 48) -> list[dict]:
+    gen = random.Random(0)
+    rows = []
+    for _ in range(n):
+        length = gen.randrange(width // 2, width + 1)
+        ids = [gen.randrange(3, 250) for _ in range(length)]  # within every model's vocabulary, tiny ones too
+        prompt = length // 4
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:], "position_ids": list(range(length)),
+                     "seq_lens": [length], "num_tokens": length})  # fmt: skip
+    return rows
+
+
+def _cfg(model: str, width: int, targets: str, rank: int, recompute: int):
+    from raylora.config import from_dict
+
+    return from_dict({
+        "model": {"name_or_path": model}, "data": {"cutoff_len": width}, "backend": {"device": "cpu"},
+        "tracking": {"enabled": False}, "lora": {"rank": rank, "alpha": 2 * rank, "target_modules": [targets]},
+        "train": {"max_steps": 1000, "lr": 1e-3, "batch_size": 2, "recompute_every": recompute, "log_every": 1000},
+    })  # fmt: skip
+
+
+def child(args) -> None:
+    """One run: a group of ``args.child`` members, its step times, peak RSS and (``--profile``) top operators."""
+    import torch
+
+    from raylora.train.group import Group
+
+    torch.set_num_threads(args.threads)
+    recompute = args.recompute[0]
+    group = Group(_cfg(args.model, args.width, args.targets, 4, recompute), _rows(args.width), None)
+    for i in range(args.child):
+        group.join(f"m{i}", _cfg(args.model, args.width, args.targets, (4, 16)[i % 2], recompute))
+    times = []
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        group.step()
+        times.append(time.perf_counter() - started)
+    table = ""
+    if args.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            group.step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(json.dumps({"step_s": statistics.median(times[2:]), "peak_gb": peak_gb, "profile": table}))
+
+
+def _run(args, k: int, recompute: int, profile: bool = False) -> dict:
+    command = [sys.executable, __file__, "--child", str(k), "--model", args.model, "--width", str(args.width),
+               "--targets", args.targets, "--recompute", str(recompute), "--steps", str(args.steps),
+               "--threads", str(args.threads)] + (["--profile"] if profile else [])  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--width", type=int, default=128, help="data.cutoff_len: every row is padded to it")
+    p.add_argument("--targets", default="attention")
+    p.add_argument("--k", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--recompute", type=int, nargs="+", default=[0, 1], help="train.recompute_every values to run")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    print(f"{args.model}, rows {args.width} tokens wide, batch 2, LoRA on {args.targets} (rank 4/16), "
+          f"{args.threads} threads, {args.steps} steps a run (median after 2)\n")  # fmt: skip
+    print("| recompute_every | members | step s | s per member-step | vs alone | peak RSS GB | vs K alone processes |")
+    print("|---|---|---|---|---|---|---|")
+    for recompute in args.recompute:
+        alone = _run(args, 1, recompute)
+        print(f"| {recompute} | 1 | {alone['step_s']:.2f} | {alone['step_s']:.2f} | 1.00x | {alone['peak_gb']:.2f} | |")
+        for k in args.k:
+            r = _run(args, k, recompute)
+            per = r["step_s"] / k
+            print(f"| {recompute} | {k} | {r['step_s']:.2f} | {per:.2f} | {alone['step_s'] / per:.2f}x faster | "
+                  f"{r['peak_gb']:.2f} | {r['peak_gb'] / (k * alone['peak_gb']):.2f}x |")  # fmt: skip
+    k = max(args.k)
+    print(f"\nprofile of one step of {k} members, recompute_every {args.recompute[0]} (self CPU time)\n")
+    print(_run(args, k, args.recompute[0], profile=True)["profile"])
+
+
+if __name__ == "__main__":
+    main()
