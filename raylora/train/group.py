@@ -465,5 +465,5 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         rows = x[span] if torch.is_autocast_enabled(x.device.type) else x[span].to(a.dtype)
         p = getattr(self.lora_dropout[name], "p", 0.0)
         rows = lora_dropout(rows, p, self.training, self._raylora_generators[name])
-        result[span] += F.linear(F.linear(rows, a), b * self.scaling[name]).to(result.dtype)
+        result[span].add_(F.linear(F.linear(rows, a), b * self.scaling[name]).to(result.dtype))
     return result
