@@ -9,7 +9,8 @@ do the same work), in one Ray session after a warm-up sweep.
 
 Prints, for each: the sweep's wall time, the peak of the summed proportional set size (PSS: shared pages split
 between the processes that map them) of the driver and every process under it (Ray's own, the trials', the
-workers', the groups'), sampled every 0.5 s, and the best trial's config and eval loss; then the ratios.
+workers', the groups'), sampled every 0.5 s, with its split by kind of process at the peak, and the best trial's
+config and eval loss; then the ratios.
 
     .venv/bin/python bench/tune_shared.py [--steps 16] [--k 4] [--model tiny-llama]
 """
@@ -30,10 +31,11 @@ SPACE = "tune.space={lora.rank: {grid: [4, 16]}, train.lr: {grid: [3.0e-2, 1.0e-
 
 
 class PeakMemory:
-    """The largest summed PSS of this process and all its descendants, sampled on a thread."""
+    """The largest summed PSS of this process and all its descendants, sampled on a thread, and at that peak the PSS
+    of each kind of process (Ray actors by class, Ray's own daemons by name)."""
 
     def __init__(self, every: float = 0.5):
-        self.every, self.peak, self._stop = every, 0, threading.Event()
+        self.every, self.peak, self.kinds, self._stop = every, 0, {}, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def __enter__(self):
@@ -49,13 +51,24 @@ class PeakMemory:
 
         me = psutil.Process()
         while not self._stop.wait(self.every):
-            total = 0
+            kinds: dict[str, int] = {}
             for proc in [me, *me.children(recursive=True)]:
                 try:
-                    total += proc.memory_full_info().pss
+                    kind = "driver" if proc.pid == me.pid else _kind(proc)
+                    kinds[kind] = kinds.get(kind, 0) + proc.memory_full_info().pss
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
-            self.peak = max(self.peak, total)
+            if sum(kinds.values()) > self.peak:
+                self.peak, self.kinds = sum(kinds.values()), kinds
+
+
+def _kind(proc) -> str:
+    """``ray::GroupWorker.run`` -> GroupWorker; an idle Ray worker -> ray idle worker; a daemon -> its name."""
+    line = proc.cmdline()
+    name = line[0] if line else proc.name()  # Ray titles its workers ray::<Class>.<method> in their command line
+    if name.startswith("ray::"):
+        return name[5:].split(".")[0].split(":")[0].strip() or "ray worker"
+    return Path(name).name
 
 
 def run(tmp: Path, name: str, k: int, steps: int, model: str, cpus: int = 1) -> dict:
@@ -74,7 +87,8 @@ def run(tmp: Path, name: str, k: int, steps: int, model: str, cpus: int = 1) -> 
     started = time.perf_counter()
     with PeakMemory() as memory:
         result = sweep(cfg, log=lambda s: None)
-    return {"seconds": time.perf_counter() - started, "peak_gb": memory.peak / 2**30, "best": result["best"]}
+    return {"seconds": time.perf_counter() - started, "peak_gb": memory.peak / 2**30, "best": result["best"],
+            "kinds": memory.kinds}
 
 
 def main() -> None:
@@ -97,6 +111,9 @@ def main() -> None:
         best = ", ".join(f"{key}={value}" for key, value in r["best"]["config"].items())
         print(f"{name:19s} {r['seconds']:6.1f} s  peak memory {r['peak_gb']:5.2f} GB  "
               f"best eval_loss {r['best']['metric']:.4f} ({best})")  # fmt: skip
+    for name, r in (("trials_per_group=1", alone), (f"trials_per_group={args.k}", shared)):
+        kinds = sorted(r["kinds"].items(), key=lambda item: -item[1])
+        print(f"at the peak of {name}: " + ", ".join(f"{kind} {pss / 2**30:.2f} GB" for kind, pss in kinds if pss > 2**24))
     print(f"wall time ratio (1 / {args.k}): {alone['seconds'] / shared['seconds']:.2f}x faster; peak memory ratio "
           f"({args.k} / 1): {shared['peak_gb'] / alone['peak_gb']:.2f}x; best eval_loss difference "
           f"{shared['best']['metric'] - alone['best']['metric']:+.4f}")  # fmt: skip
