@@ -127,6 +127,7 @@ class Broker:
         self.wake = [asyncio.Event() for _ in range(groups)]
         self.queues: dict[str, asyncio.Queue] = {}
         self.waiting: set[str] = set()
+        self.ended_groups: set[int] = set()  # groups whose worker failed: no trial joins them again
         self.closed = False
 
     async def join(
@@ -138,8 +139,10 @@ class Broker:
         ``values`` (the trial's searched values) and ``parent`` (the sweep's MLflow run) name its MLflow child run.
         """
         while True:
+            if len(self.ended_groups) == len(self.places):
+                raise RuntimeError("every group of the sweep has ended (a group worker failed); see the trials' errors")
             for index, places in sorted(enumerate(self.places), key=lambda item: len(item[1])):
-                if len(places) < self.per_group:
+                if index not in self.ended_groups and len(places) < self.per_group:
                     places.add(trial)
                     self.queues[trial] = asyncio.Queue()
                     self.joins[index].append(
@@ -189,6 +192,10 @@ class Broker:
         joins, leaves = self.joins[index], self.leaves[index]
         self.joins[index], self.leaves[index] = [], set()
         return {"join": joins, "leave": leaves, "ready": self._ready(index), "closed": self.closed}
+
+    async def ended(self, index: int) -> None:
+        """Group ``index`` ended before the sweep did (one of its workers failed): place no trial in it again."""
+        self.ended_groups.add(index)
 
     def _ready(self, index: int) -> set[str]:
         return {t for t in self.places[index] if t in self.waiting and self.queues[t].empty()}
@@ -406,6 +413,7 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, broker, ru
         pending = broker.next_report.remote(trial_id)
         ready, _ = ray.wait([pending, *runs[index]], num_returns=1)
         if pending not in ready:
+            ray.get(broker.ended.remote(index))
             ray.get(ready[0])
             raise TrainingError(f"trial {trial_id} ({values}): its group {index} ended before the trial did")
         report = ray.get(pending)

@@ -101,3 +101,21 @@ def test_the_sweep_lists_the_space_and_the_group_problems_together(tmp_path):
         sweep(cfg)
     assert {"tune.space.lora.rnak", "lora.target_modules"} <= dict(e.value.problems).keys()
     assert not (tmp_path / "tune").exists()
+
+
+def test_no_trial_joins_a_group_that_ended_and_none_waits_when_every_group_did():
+    """A group whose worker died fails its trials; the trials after them go to the groups still running."""
+    import asyncio
+
+    async def place() -> tuple[list[int], str]:
+        broker = groups.Broker(groups=2, per_group=4)
+        placed = [await broker.join("t0", {}, "", None, {}, None)]
+        await broker.ended(0)
+        placed += [await broker.join(f"t{i}", {}, "", None, {}, None) for i in (1, 2)]
+        await broker.ended(1)
+        with pytest.raises(RuntimeError) as e:
+            await asyncio.wait_for(broker.join("t3", {}, "", None, {}, None), timeout=5)
+        return placed, str(e.value)
+
+    placed, message = asyncio.run(place())
+    assert placed == [0, 1, 1] and "every group of the sweep has ended" in message
