@@ -164,7 +164,7 @@ def to_tune(space: dict[str, dict[str, Any]], search: str) -> dict[str, Any]:
     domains = {}
     for key, spec in space.items():
         kind, values = next(iter(spec.items()))
-        if kind == "grid" or (kind == "choice" and search == "grid"):
+        if _is_grid(kind, search):
             domains[key] = tune.grid_search(values)
         elif kind == "choice":
             domains[key] = tune.choice(values)
@@ -178,9 +178,14 @@ def trial_count(tune_args) -> int:
     count = tune_args.num_samples
     for spec in tune_args.space.values():
         kind, values = next(iter(spec.items()))
-        if kind == "grid" or (kind == "choice" and tune_args.search == "grid"):
+        if _is_grid(kind, tune_args.search):
             count *= len(values)
     return count
+
+
+def _is_grid(kind: str, search: str) -> bool:
+    """Whether Tune expands an entry of this kind into every value: a grid, or a choice under grid search."""
+    return kind == "grid" or (kind == "choice" and search == "grid")
 
 
 def apply(job: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
