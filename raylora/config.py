@@ -141,8 +141,9 @@ class TrainArgs:
         "none",
         help="gradient all-reduce: none (fp32), fp16 / bf16 (cast on the wire), powersgd (low rank, error feedback), "
         "topk (largest entries with error feedback), sign (1 bit an entry and a scale per tensor, error feedback), "
-        "log3 (3 bits an entry, log-spaced levels per 128-entry block, error feedback: 0.098 of the bytes)",
-        choices=("none", "fp16", "bf16", "powersgd", "topk", "sign", "log3"),
+        "hadamard3 (3 bits an entry after a random Hadamard rotation of each 128-entry block, error feedback: "
+        "0.098 of the bytes)",
+        choices=("none", "fp16", "bf16", "powersgd", "topk", "sign", "hadamard3"),
     )
     topk_fraction: float = _f(0.01, help="share of each gradient bucket the topk hook sends", gt=0, max=1)
     powersgd_rank: int = _f(1, help="rank of PowerSGD's low-rank approximation", min=1)

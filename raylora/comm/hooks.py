@@ -11,15 +11,18 @@
 ``sign``      one bit per entry, the sign, and one scale per tensor (its mean absolute value), with error feedback:
               about 1/32 of the bytes, and every entry moves every step, which suits Adam better than top-k's
               sparse updates (bench/comm.py measures both)
-``log3``      three bits per entry: 0 or a signed power of 4 (1, 1/4, 1/16) times its 128-entry block's largest
-              magnitude (one fp16 scale per block), with error feedback: 0.098 of the bytes of ``none``
+``hadamard3``  three bits per entry: each 128-entry block of the bucket (plus the residual: error feedback) is
+              rotated by a fixed random-sign Hadamard transform, which spreads its large entries over the whole
+              block so that its values look Gaussian, then each value is sent as the nearest of the 8 Lloyd-Max
+              levels of a Gaussian times the block's RMS (one fp16 scale per block): 0.098 of the bytes of ``none``
 
-Why ``log3`` keeps Adam's loss where ``sign`` and ``topk`` lose it: Adam divides each entry's step by the root of
-its mean square gradient. A compressor with error feedback delivers each entry's gradient on average, but in
-quanta; when an entry's gradient is much smaller than the quantum, Adam sees rare full quanta (top-k) or a steady
-quantum-sized sign (sign) and its mean square is the quantum's, not the gradient's, so that entry's step shrinks.
-Log-spaced levels keep the quantum within 4x of each entry's own size down to 1/16 of its block's largest, and the
-zero level lets entries below that send nothing until their residual grows. bench/comm.py measures the effect.
+Why ``hadamard3`` keeps Adam's loss where ``sign`` and ``topk`` lose it: Adam divides each entry's step by the root
+of its mean square gradient. A compressor with error feedback delivers each entry's gradient on average, but with
+noise; Adam's mean square sees that noise too, so the entries' steps shrink. Top-k hands an entry rare full quanta
+and sign a steady quantum-sized sign, far larger than a small entry's gradient; levels scaled by a block's largest
+entry (tried before this hook: 0 and ±1, ±1/4, ±1/16 of it) round most of a heavy-tailed block to zero. After the
+rotation no entry stands out, the block's RMS is the right scale, and Lloyd-Max levels make the error the least a
+3-bit code can (about 3.5% of the block's energy). bench/comm.py measures the loss over several data orders.
 
 Every hook averages over ranks, as DDP does, and sends its collectives through :mod:`raylora.comm.bytes`, so
 ``bytes_sent()`` is the payload measured this step. Only ``torch.distributed`` is used: the same hooks run on
@@ -37,11 +40,12 @@ from raylora.backends import Backend, BackendError
 from raylora.comm import bytes as comm_bytes
 from raylora.config import TrainArgs
 
-HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "sign", "log3")
+HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "sign", "hadamard3")
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# log3's levels as a fraction of the block's largest magnitude, code 0 to 6 (code 7 is unused)
-LOG3_LEVELS = (-1.0, -1 / 4, -1 / 16, 0.0, 1 / 16, 1 / 4, 1.0)
-LOG3_BLOCK = 128
+# hadamard3's levels in units of the rotated block's RMS, codes 0 to 7: the Lloyd-Max quantiser of a unit Gaussian
+HADAMARD3_LEVELS = (-2.1520, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1520)
+HADAMARD3_BLOCK = 128  # a power of 2 (the transform's size)
+HADAMARD3_SEED = 20240917  # the rotation's signs: the same on every rank
 
 comm_bytes.install(powerSGD_hook)
 _dist = comm_bytes.PROXY
@@ -91,8 +95,8 @@ class CommHook:
             ddp.register_comm_hook(self, _topk_hook)
         elif self.name == "sign":
             ddp.register_comm_hook(self, _sign_hook)
-        elif self.name == "log3":
-            ddp.register_comm_hook(self, _log3_hook)
+        elif self.name == "hadamard3":
+            ddp.register_comm_hook(self, _hadamard3_hook)
         else:
             ddp.register_comm_hook(self, _cast_hook)
 
@@ -119,7 +123,7 @@ class CommHook:
                 memory.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's hook state, keyed by parameter name: topk's, sign's and log3's residuals; PowerSGD's
+        """This rank's hook state, keyed by parameter name: topk's, sign's and hadamard3's residuals; PowerSGD's
         settings and counters, and per parameter its error and warm-start factors."""
         if self.powersgd is not None:
             settings = {k: v for k, v in self.powersgd.__getstate__().items() if k not in _POWERSGD_MEMORY}
@@ -316,16 +320,18 @@ def _sign_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[
     return future.then(decompress)
 
 
-def _log3_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Send each entry as a 3-bit code of :data:`LOG3_LEVELS` times its block's fp16 scale; keep what that misses.
+def _hadamard3_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Send each rotated block as 3-bit codes of :data:`HADAMARD3_LEVELS` and its fp16 RMS; keep what they miss.
 
-    Each rank all-gathers the others' codes and scales (uint8), decodes, sums and divides by the number of ranks.
-    ``corrected - decoded`` is the residual added next step.
+    Each rank all-gathers the others' codes and scales (uint8), sums what they stand for in the rotated space,
+    rotates the sum back once and divides by the number of ranks. ``corrected - decoded`` is the residual added
+    next step.
     """
     buffer = bucket.buffer()
     corrected, names, sizes = hook.corrected(bucket)
-    codes, scales = _log3_encode(corrected)
-    hook.residuals.update(zip(names, (corrected - _log3_decode(codes, scales)).split(sizes), strict=True))
+    codes, scales = _hadamard3_encode(corrected)
+    sent = _rotate(_hadamard3_values(codes, scales))[: corrected.numel()]
+    hook.residuals.update(zip(names, (corrected - sent).split(sizes), strict=True))
     packed = torch.cat([_pack3(codes), scales.view(torch.uint8)])
     world = _world(hook.group)
     gathered = [torch.empty_like(packed) for _ in range(world)]
@@ -333,33 +339,48 @@ def _log3_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[
     n, code_bytes = buffer.numel(), packed.numel() - 2 * scales.numel()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        total = torch.zeros(n, dtype=torch.float32, device=buffer.device)
+        total = torch.zeros(codes.numel(), dtype=torch.float32, device=buffer.device)
         for part in gathered:
-            total += _log3_decode(_unpack3(part[:code_bytes], n), part[code_bytes:].view(torch.float16))
-        buffer.copy_(total.div_(world))
+            total += _hadamard3_values(
+                _unpack3(part[:code_bytes], codes.numel()), part[code_bytes:].view(torch.float16)
+            )
+        buffer.copy_(_rotate(total)[:n].div_(world))
         return buffer
 
     return future.then(decompress)
 
 
-def _log3_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, scales)`` of fp32 vector ``x``: uint8 codes 0-6, one per entry, and one fp16 scale per block.
-
-    The scale is the block's largest magnitude (clamped to fp16's range); each entry gets the nearest level.
-    """
-    blocks = torch.nn.functional.pad(x, (0, -x.numel() % LOG3_BLOCK)).view(-1, LOG3_BLOCK)
-    scales = blocks.abs().amax(1).clamp(max=torch.finfo(torch.float16).max).half()
-    levels = torch.tensor(LOG3_LEVELS, device=x.device)
-    ratio = blocks / scales.float().clamp_min(torch.finfo(torch.float16).tiny)[:, None]
+def _hadamard3_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of fp32 vector ``x``, zero-padded to whole blocks and rotated (:func:`_rotate`): uint8
+    codes 0-7, one per padded entry, the nearest level to each rotated value over its block's RMS; one fp16 RMS per
+    block (clamped to fp16's range)."""
+    rotated = _rotate(torch.nn.functional.pad(x, (0, -x.numel() % HADAMARD3_BLOCK))).view(-1, HADAMARD3_BLOCK)
+    scales = rotated.square().mean(1).sqrt().clamp(max=torch.finfo(torch.float16).max).half()
+    levels = torch.tensor(HADAMARD3_LEVELS, device=x.device)
+    ratio = rotated / scales.float().clamp_min(torch.finfo(torch.float16).tiny)[:, None]
     codes = torch.bucketize(ratio, (levels[1:] + levels[:-1]) / 2)
-    return codes.flatten()[: x.numel()].to(torch.uint8), scales
+    return codes.flatten().to(torch.uint8), scales
 
 
-def _log3_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 vector that ``codes`` (one per entry) and ``scales`` (fp16, one per block) stand for."""
-    levels = torch.tensor(LOG3_LEVELS, device=codes.device)
-    values = torch.nn.functional.pad(levels[codes.long()], (0, -codes.numel() % LOG3_BLOCK))
-    return (values.view(-1, LOG3_BLOCK) * scales.float()[:, None]).flatten()[: codes.numel()]
+def _hadamard3_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The rotated fp32 vector that ``codes`` (one per padded entry) and ``scales`` (one per block) stand for."""
+    levels = torch.tensor(HADAMARD3_LEVELS, device=codes.device)
+    return (levels[codes.long()].view(-1, HADAMARD3_BLOCK) * scales.float()[:, None]).flatten()
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (whole blocks) with each block multiplied by ``D H D / sqrt(block)``: ``H`` the Hadamard matrix, ``D``
+    a diagonal of random signs drawn from :data:`HADAMARD3_SEED` (the same on every rank). The product is symmetric
+    and orthogonal, so the same call rotates back."""
+    signs = torch.randint(0, 2, (HADAMARD3_BLOCK,), generator=torch.Generator().manual_seed(HADAMARD3_SEED))
+    signs = (2.0 * signs - 1).to(x.device)
+    blocks = x.view(-1, HADAMARD3_BLOCK) * signs
+    half = 1
+    while half < HADAMARD3_BLOCK:  # the fast Walsh-Hadamard transform, one butterfly stage at a time
+        pairs = blocks.view(blocks.shape[0], -1, 2, half)
+        blocks = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        half *= 2
+    return (blocks.view(-1, HADAMARD3_BLOCK) * (signs / HADAMARD3_BLOCK**0.5)).flatten()
 
 
 def _pack3(codes: torch.Tensor) -> torch.Tensor:

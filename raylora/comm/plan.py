@@ -19,12 +19,12 @@ hop costing ``bytes / bandwidth + latency``:
                             + 2 (m-1)/m (P/p) / bw_inter + 2 (m-1) lat_inter                    reduce-scatter in the
                                                                                                 node, ring across
                                                                                                 nodes, all-gather)
-    all-gather (topk, sign, log3): (n-1) P / bw + (n-1) lat, over bw_inter as soon as n > p (each card receives
+    all-gather (topk, sign, hadamard3): (n-1) P / bw + (n-1) lat, over bw_inter as soon as n > p (each card receives
                             every other card's selection: it grows with n, an all-reduce does not)
 Payloads come from the real model and LoRA config, built on the meta device (never hand-entered sizes):
 ``none`` 4 bytes a LoRA entry, ``fp16``/``bf16`` 2, ``powersgd`` 4 (rows + cols) r per LoRA matrix,
-``topk`` 8 per sent entry (values and int32 indices), ``sign`` 1/8 per entry and 4 per tensor, ``log3`` 3/8 per
-entry and 2 per 128 entries: the same counts
+``topk`` 8 per sent entry (values and int32 indices), ``sign`` 1/8 per entry and 4 per tensor, ``hadamard3``
+3/8 per entry and 2 per 128 entries (whole blocks): the same counts
 ``raylora.comm.bytes`` measures during training. Assumptions: the presets' bandwidths are sustained bus
 bandwidths (what nccl-tests / hccl_test call busbw), not link peaks; no congestion across nodes; the MFU of a
 step carries over from this machine to the target card; the hooks' own compute is not counted.
@@ -40,7 +40,7 @@ import torch
 
 from raylora.config import JobConfig
 
-HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "sign", "log3")
+HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "sign", "hadamard3")
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def payload(shapes: list[tuple[int, ...]], hook: str, cfg: JobConfig) -> tuple[f
         return 8.0 * max(1, round(cfg.train.topk_fraction * entries)), "all_gather"
     if hook == "sign":
         return math.ceil(entries / 8) + 4.0 * len(shapes), "all_gather"
-    return 3 * math.ceil(entries / 8) + 2.0 * math.ceil(entries / 128), "all_gather"  # log3, as one bucket
+    return 50.0 * math.ceil(entries / 128), "all_gather"  # hadamard3, as one bucket: 48 bytes of codes, 2 of scale
 
 
 def collective_s(nbytes: float, kind: str, cards: int, link: Link) -> float:

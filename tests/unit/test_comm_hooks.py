@@ -138,7 +138,7 @@ LOSSLESS = [  # hook options, tolerance against plain all-reduce, payload bytes 
 
 def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
     cases = [options for options, _, _ in LOSSLESS] + [
-        {"comm_hook": "log3"},
+        {"comm_hook": "hadamard3"},
         {"comm_hook": "sign"},
         {"comm_hook": "topk", "topk_fraction": 0.05},
     ]
@@ -151,7 +151,7 @@ def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
                     msg=lambda m, o=options: f"{o}: {m}",
                 )  # fmt: skip
             assert result["bytes"] == per_entry * _numel(result["reference"]), options
-    _check_log3(results[-3])
+    _check_hadamard3(results[-3])
     sign = results[-2]
     scaled = []
     for rank, result in enumerate(sign):  # one bit an entry, one scale per tensor
@@ -178,37 +178,58 @@ def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
         assert local[~kept].abs().min() >= local[kept].abs().max()
 
 
-def _check_log3(ranks: list[dict]) -> None:
-    """3 bits an entry and an fp16 scale per 128 entries; the average of what each rank's codes stand for; the
-    residual is exactly what they miss."""
-    from raylora.comm.hooks import _log3_decode, _log3_encode
+def _check_hadamard3(ranks: list[dict]) -> None:
+    """3 bits an entry of whole 128-entry blocks and an fp16 scale per block; the average of what each rank's codes
+    stand for, rotated back; the residual is exactly what they miss."""
+    from raylora.comm.hooks import _hadamard3_encode, _hadamard3_values, _rotate
 
     decoded = []
     for rank, result in enumerate(ranks):
         local = torch.cat([g.flatten() for g in _local_grads(rank).values()])
-        assert result["bytes"] == 3 * -(-local.numel() // 8) + 2 * -(-local.numel() // 128)
-        sent = _log3_decode(*_log3_encode(local))
+        blocks = -(-local.numel() // 128)
+        assert result["bytes"] == blocks * (3 * 128 // 8 + 2)
+        sent = _rotate(_hadamard3_values(*_hadamard3_encode(local)))[: local.numel()]
         residual = torch.cat([result["residuals"][n].flatten() for n in _local_grads(rank)])
         torch.testing.assert_close(residual, local - sent)
+        assert float(residual.square().sum() / local.square().sum()) < 0.05  # Lloyd-Max: about 3.5% of the energy
         decoded.append(sent)
     for result in ranks:
         got = torch.cat([g.flatten() for g in result["grads"].values()])
         torch.testing.assert_close(got, (decoded[0] + decoded[1]) / 2)
 
 
-def test_log3_levels_pack_and_error():
-    from raylora.comm.hooks import LOG3_BLOCK, _log3_decode, _log3_encode, _pack3, _unpack3
+def test_hadamard3_rotation_levels_and_packing():
+    from raylora.comm.hooks import (
+        HADAMARD3_BLOCK,
+        HADAMARD3_LEVELS,
+        _hadamard3_encode,
+        _hadamard3_values,
+        _pack3,
+        _rotate,
+        _unpack3,
+    )
 
-    x = torch.tensor([1.0, -0.3, 0.2, 0.1, 0.05, 0.02, -0.01, 0.0] * 40)
-    codes, scales = _log3_encode(x)
-    assert scales.dtype == torch.float16 and scales.numel() == -(-x.numel() // LOG3_BLOCK)
-    # nearest of 0, ±1/16, ±1/4, ±1 of the block's largest (1.0)
-    assert _log3_decode(codes, scales)[:8].tolist() == [1.0, -0.25, 0.25, 0.0625, 0.0625, 0.0, 0.0, 0.0]
+    # the rotation: orthogonal, symmetric (its own inverse), and it spreads a spike over its block
+    eye = torch.eye(HADAMARD3_BLOCK)
+    rotation = torch.stack([_rotate(row) for row in eye])
+    torch.testing.assert_close(rotation @ rotation.T, eye, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rotation, rotation.T)
+    assert torch.allclose(rotation.abs(), torch.full_like(rotation, HADAMARD3_BLOCK**-0.5))
+    # a heavy-tailed vector (cubes of Gaussian draws) loses about 3.5% of its energy, as a Gaussian one would
+    x = torch.randn(300, generator=torch.Generator().manual_seed(0)) ** 3
+    codes, scales = _hadamard3_encode(x)
+    assert codes.numel() == 384 and codes.max() <= 7 and scales.dtype == torch.float16 and scales.numel() == 3
+    decoded = _rotate(_hadamard3_values(codes, scales))[:300]
+    assert 0.02 < float((decoded - x).square().sum() / x.square().sum()) < 0.05
+    # each rotated value's code is the nearest level in units of its block's RMS
+    rotated = _rotate(torch.nn.functional.pad(x, (0, 84))).view(-1, HADAMARD3_BLOCK)
+    nearest = (rotated[..., None] / scales.float()[:, None, None] - torch.tensor(HADAMARD3_LEVELS)).abs().argmin(-1)
+    assert torch.equal(codes, nearest.flatten().to(torch.uint8))
     packed = _pack3(codes)
-    assert packed.dtype == torch.uint8 and packed.numel() == 3 * x.numel() // 8
-    assert torch.equal(_unpack3(packed, x.numel()), codes)
-    zeros, zero_scales = _log3_encode(torch.zeros(5))
-    assert _log3_decode(zeros, zero_scales).tolist() == [0.0] * 5
+    assert packed.dtype == torch.uint8 and packed.numel() == 3 * codes.numel() // 8
+    assert torch.equal(_unpack3(packed, codes.numel()), codes)
+    zeros, zero_scales = _hadamard3_encode(torch.zeros(5))
+    assert _rotate(_hadamard3_values(zeros, zero_scales))[:5].tolist() == [0.0] * 5
 
 
 def _local_grads(rank: int) -> dict:
@@ -220,7 +241,7 @@ def _local_grads(rank: int) -> dict:
 def test_every_hook_trains(tmp_path):
     cases = [{"comm_hook": h} for h in ("none", "fp16", "bf16")]
     cases += [{"comm_hook": "powersgd", "powersgd_rank": 2}, {"comm_hook": "topk", "topk_fraction": 0.05}]
-    cases += [{"comm_hook": "sign"}, {"comm_hook": "log3"}]
+    cases += [{"comm_hook": "sign"}, {"comm_hook": "hadamard3"}]
     for options, ranks in zip(cases, run("train", tmp_path, cases), strict=True):
         for result in ranks:
             losses = result["losses"]
@@ -231,7 +252,7 @@ def test_resume_with_hook_state_is_exact(tmp_path):
     # PowerSGD compresses from step 2 on: the resume at step 3 restores its errors and warm-start factors, which
     # PyTorch keys by bucket index while a new DDP's first bucket layout differs from its settled one.
     cases = [
-        {"comm_hook": "topk", "topk_fraction": 0.05}, {"comm_hook": "sign"}, {"comm_hook": "log3"},
+        {"comm_hook": "topk", "topk_fraction": 0.05}, {"comm_hook": "sign"}, {"comm_hook": "hadamard3"},
         {"comm_hook": "powersgd", "powersgd_rank": 2, "bucket_mb": 0.002},
         {"comm_hook": "powersgd", "powersgd_rank": 1},
     ]  # fmt: skip

@@ -26,7 +26,7 @@ def test_payloads_come_from_the_model_and_lora_config():
     assert payload(shapes, "bf16", cfg) == (2 * entries, "all_reduce")
     assert payload(shapes, "topk", cfg) == (8 * round(0.01 * entries), "all_gather")
     assert payload(shapes, "sign", cfg) == (math.ceil(entries / 8) + 4 * 8, "all_gather")
-    assert payload(shapes, "log3", cfg) == (3 * math.ceil(entries / 8) + 2 * math.ceil(entries / 128), "all_gather")
+    assert payload(shapes, "hadamard3", cfg) == ((3 * 128 // 8 + 2) * math.ceil(entries / 128), "all_gather")
     assert payload(shapes, "powersgd", cfg) == (4 * 2 * ((4 + 64) * 1 * 3 + (32 + 4) * 1), "all_reduce")
     assert frozen > 10 * entries
 
