@@ -30,6 +30,7 @@ gloo, NCCL and HCCL.
 """
 
 # no `from __future__ import annotations`: DDP compares the hook's annotations with the real types
+import functools
 from typing import Any
 
 import torch
@@ -369,18 +370,22 @@ def _hadamard3_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (whole blocks) with each block multiplied by ``D H D / sqrt(block)``: ``H`` the Hadamard matrix, ``D``
-    a diagonal of random signs drawn from :data:`HADAMARD3_SEED` (the same on every rank). The product is symmetric
-    and orthogonal, so the same call rotates back."""
+    """``x`` (whole blocks) with each block multiplied by :func:`_rotation`; the same call rotates back."""
+    return (x.view(-1, HADAMARD3_BLOCK) @ _rotation(x.device)).flatten()
+
+
+@functools.cache
+def _rotation(device: torch.device) -> torch.Tensor:
+    """``D H D / sqrt(block)``: ``H`` the Hadamard matrix, ``D`` a diagonal of random signs drawn from
+    :data:`HADAMARD3_SEED` (the same on every rank). Symmetric and orthogonal: its own inverse. One matmul rotates
+    every block (128 multiply-adds an entry), fewer kernel launches than the 7 butterfly stages of a fast transform.
+    """
     signs = torch.randint(0, 2, (HADAMARD3_BLOCK,), generator=torch.Generator().manual_seed(HADAMARD3_SEED))
-    signs = (2.0 * signs - 1).to(x.device)
-    blocks = x.view(-1, HADAMARD3_BLOCK) * signs
-    half = 1
-    while half < HADAMARD3_BLOCK:  # the fast Walsh-Hadamard transform, one butterfly stage at a time
-        pairs = blocks.view(blocks.shape[0], -1, 2, half)
-        blocks = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
-        half *= 2
-    return (blocks.view(-1, HADAMARD3_BLOCK) * (signs / HADAMARD3_BLOCK**0.5)).flatten()
+    signs = 2.0 * signs - 1
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < HADAMARD3_BLOCK:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
+    return (signs[:, None] * hadamard * signs / HADAMARD3_BLOCK**0.5).to(device)
 
 
 def _pack3(codes: torch.Tensor) -> torch.Tensor:
