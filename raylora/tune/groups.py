@@ -5,9 +5,11 @@ Three kinds of Ray processes, and why:
 - A **group** actor (:class:`GroupWorker`) holds one copy of the base model and the training rows, and trains its
   members with :class:`raylora.train.group.Group`, step after step, on its main thread (torch runs slower
   on other threads). It takes the CPUs / devices of one Ray Train worker.
-- A **broker** actor (:class:`Broker`, asyncio, no CPU) is the mailbox between the groups and the trials: it gives
-  each new trial a group with a free place, and carries each member's reports to its trial. A group asks it,
-  once a step, for the members that join and leave, and hands it the step's reports.
+- A **broker** actor (:class:`Broker`, asyncio, no CPU) starts the groups and is the mailbox between them and the
+  trials: it gives each new trial a group with a free place, and carries each member's reports to its trial. A
+  group asks it, once a step, for the members that join and leave, and hands it the step's reports. When a group
+  loses a worker, its members' trials see it, and the first to ask has the broker start the group anew (up to
+  ``train.max_failures`` times a group); each member joins again from its last checkpoint.
 - Each **trial** stays a Tune function trainable (:func:`run_member`, no CPU): it joins a group through the
   broker, logs every report to its MLflow child run, and passes the reports that hold the sweep's metric to
   ``tune.report``, with the member's checkpoint. Tune, ASHA and the search see them as they see any trial.
@@ -117,9 +119,12 @@ class Broker:
 
     Args:
         groups: number of groups; per_group: places in each (``tune.trials_per_group``).
+        launch: ``launch(index, broker) -> (actors, run refs)`` starts group ``index``'s workers (:func:`launcher`;
+            None in tests of the placement alone).
+        restarts: how many times each group may be started anew after it lost a worker (``train.max_failures``).
     """
 
-    def __init__(self, groups: int, per_group: int):
+    def __init__(self, groups: int, per_group: int, launch=None, restarts: int = 0):
         self.per_group = per_group
         self.places: list[set[str]] = [set() for _ in range(groups)]
         self.joins: list[list[dict]] = [[] for _ in range(groups)]
@@ -127,17 +132,32 @@ class Broker:
         self.wake = [asyncio.Event() for _ in range(groups)]
         self.queues: dict[str, asyncio.Queue] = {}
         self.waiting: set[str] = set()
-        self.ended_groups: set[int] = set()  # groups whose worker failed: no trial joins them again
+        self.members: dict[str, dict] = {}  # trial -> what it joined with, to join again after its group failed
+        self.launch = launch
+        self.restarts = [restarts] * groups
+        self.generation = [0] * groups  # how many times each group was started anew
+        self.workers: list[tuple[list, list]] = [([], []) for _ in range(groups)]  # each group's (actors, run refs)
+        self.ended_groups: set[int] = set()  # groups that failed with no restart left: no trial joins them again
         self.closed = False
+
+    async def start(self) -> None:
+        """Start every group's workers."""
+        for index in range(len(self.places)):
+            self._launch(index)
 
     async def join(
         self, trial: str, job: dict, out: str, resume_from: str | None, values: dict, parent: str | None
-    ) -> int:
-        """Place a trial in the group with the fewest members that has a free place (waiting for one); returns the
-        group's index. Filling the emptiest first spreads the trials over every group's CPUs / devices.
+    ) -> dict:
+        """Place a trial in the group with the fewest members that has a free place (waiting for one). Filling the
+        emptiest first spreads the trials over every group's CPUs / devices.
 
         ``values`` (the trial's searched values) and ``parent`` (the sweep's MLflow run) name its MLflow child run.
+
+        Returns:
+            ``{"group": index, "generation": the group's, "runs": its workers' run refs}`` (a trial watches the refs
+            to see its group fail).
         """
+        self.members[trial] = {"job": job, "out": out, "values": values, "parent": parent}
         while True:
             if len(self.ended_groups) == len(self.places):
                 raise RuntimeError("every group of the sweep has ended (a group worker failed); see the trials' errors")
@@ -150,8 +170,37 @@ class Broker:
                          "parent": parent}
                     )  # fmt: skip
                     self.wake[index].set()
-                    return index
+                    return {"group": index, "generation": self.generation[index], "runs": self.workers[index][1]}
             await asyncio.sleep(0.1)
+
+    async def rejoin(self, trial: str, index: int, generation: int, resume_from: str | None) -> dict:
+        """The trial saw a worker of its group (``index``, started ``generation`` times anew) fail: the first of the
+        group's trials to ask ends the group's other workers and starts it anew, or, with no restart left, marks it
+        ended. Then the trial joins a group again (:meth:`join`) from the checkpoint folder ``resume_from``."""
+        if generation == self.generation[index] and index not in self.ended_groups:
+            import ray
+
+            for actor in self.workers[index][0]:
+                ray.kill(actor)  # a worker left waiting in a collective for the dead one would never return
+            self.places[index], self.joins[index], self.leaves[index] = set(), [], set()
+            if self.restarts[index] > 0:
+                self.restarts[index] -= 1
+                self.generation[index] += 1
+                self._launch(index)
+            else:
+                self.ended_groups.add(index)
+        member = self.members[trial]
+        return await self.join(trial, member["job"], member["out"], resume_from, member["values"], member["parent"])
+
+    def _launch(self, index: int) -> None:
+        if self.launch is not None:
+            import ray
+
+            self.workers[index] = self.launch(index, ray.get_runtime_context().current_actor)
+
+    async def current(self) -> tuple[list, list]:
+        """Every group's live workers and their run refs."""
+        return [a for actors, _ in self.workers for a in actors], [r for _, runs in self.workers for r in runs]
 
     async def leave(self, trial: str) -> None:
         """The trial ended (Tune stopped it, it finished or failed): its group drops it at its next step."""
@@ -192,10 +241,6 @@ class Broker:
         joins, leaves = self.joins[index], self.leaves[index]
         self.joins[index], self.leaves[index] = [], set()
         return {"join": joins, "leave": leaves, "ready": self._ready(index), "closed": self.closed}
-
-    async def ended(self, index: int) -> None:
-        """Group ``index`` ended before the sweep did (one of its workers failed): place no trial in it again."""
-        self.ended_groups.add(index)
 
     def _ready(self, index: int) -> set[str]:
         return {t for t in self.places[index] if t in self.waiting and self.queues[t].empty()}
@@ -313,13 +358,21 @@ class GroupWorker:
 
 
 def start(cfg: JobConfig, data, groups: int):
-    """The broker and ``groups`` groups of ``train.num_workers`` worker actors, each started on
-    :meth:`GroupWorker.run`; returns ``(broker, runs, actors)``, ``runs[g]`` the run calls of group g's workers.
+    """The sweep's broker, with its groups started: each of ``train.num_workers`` workers, as Ray Train would
+    place them (:func:`raylora.backends.worker_plan`).
 
     ``data`` is :func:`raylora.data.pipeline.training_data`'s result; its packs are in Ray's object store, and
     every group reads them from there."""
     import ray
 
+    broker = ray.remote(num_cpus=0)(Broker).options(name=broker_name(cfg))
+    broker = broker.remote(groups, cfg.tune.trials_per_group, launcher(cfg, data), cfg.train.max_failures)
+    ray.get(broker.start.remote())
+    return broker
+
+
+def launcher(cfg: JobConfig, data):
+    """``launch(index, broker) -> (actors, run refs)``: starts group ``index``'s workers and their :meth:`GroupWorker.run`."""
     from raylora.backends import worker_plan
 
     world = cfg.train.num_workers
@@ -332,30 +385,31 @@ def start(cfg: JobConfig, data, groups: int):
         options["resources"] = per_worker
     if env:
         options["runtime_env"] = {"env_vars": env}
-    broker = ray.remote(num_cpus=0)(Broker).options(name=broker_name(cfg)).remote(groups, cfg.tune.trials_per_group)
     stores = Path(cfg.train.output_dir).resolve() / "groups"
     stores.mkdir(parents=True, exist_ok=True)
-    actor = ray.remote(**options)(GroupWorker)
-    actors, runs = [], []
-    for index in range(groups):
+    job, train, evaluation = to_dict(cfg), data.train, data.eval
+
+    def launch(index: int, broker) -> tuple[list, list]:
+        import ray
+
         store = stores / f"group{index}.store"
         store.unlink(missing_ok=True)  # torch.distributed's file store must start empty
+        actor = ray.remote(**options)(GroupWorker)
         workers = [
-            actor.remote(to_dict(cfg), data.train, data.eval, index, rank, world, str(store), dist_backend)
-            for rank in range(world)
+            actor.remote(job, train, evaluation, index, rank, world, str(store), dist_backend) for rank in range(world)
         ]
-        actors += workers
-        runs.append([w.run.remote(broker, index) for w in workers])
-    return broker, runs, actors
+        return workers, [w.run.remote(broker, index) for w in workers]
+
+    return launch
 
 
-def stop(broker, runs, actors) -> None:
+def stop(broker) -> None:
     """Close the broker, let each group return, then end the actors."""
     import ray
 
     ray.get(broker.close.remote())
-    every = [ref for group in runs for ref in group]
-    ray.wait(every, num_returns=len(every), timeout=60)
+    actors, runs = ray.get(broker.current.remote())
+    ray.wait(runs, num_returns=len(runs), timeout=60)
     for a in [*actors, broker]:
         ray.kill(a)
 
@@ -387,13 +441,15 @@ def leave_callback(cfg: JobConfig):
     return LeaveGroup()
 
 
-def run_member(values: dict[str, Any], job: dict, parent: str | None, broker, runs: list) -> None:
+def run_member(values: dict[str, Any], job: dict, parent: str | None, broker) -> None:
     """One trial of a grouped sweep (a Tune function trainable): join a group, pass its reports on, until done.
 
-    Its group does the rest, MLflow included, so this process imports neither torch nor MLflow.
+    Its group does the rest, MLflow included, so this process imports neither torch nor MLflow. When a worker of
+    its group fails, the trial joins a group again (:meth:`Broker.rejoin`) from the last checkpoint its group
+    reported, and Tune sees its steps since then reported again.
 
     Raises:
-        TrainingError: the member diverged, could not join (its error), or its group ended.
+        TrainingError: the member diverged, could not join (its error), or every group ended.
     """
     import ray
     from ray import tune
@@ -407,22 +463,43 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, broker, ru
     cfg = trial_config(job, values, out)
     restored = tune.get_checkpoint()
     resume_from = restored.path if restored else None
-    index = ray.get(broker.join.remote(trial_id, to_dict(cfg), str(out), resume_from, values, parent))
-    (out / "group.json").write_text(json.dumps({"group": index, "resumed_from": resume_from}))
+    placed = ray.get(broker.join.remote(trial_id, to_dict(cfg), str(out), resume_from, values, parent))
+    _record(out, placed, resume_from)
     while True:
-        pending = broker.next_report.remote(trial_id)
-        ready, _ = ray.wait([pending, *runs[index]], num_returns=1)
-        if pending not in ready:
-            ray.get(broker.ended.remote(index))
-            ray.get(ready[0])
-            raise TrainingError(f"trial {trial_id} ({values}): its group {index} ended before the trial did")
-        report = ray.get(pending)
+        report = _next_report(broker, trial_id, placed["runs"])
+        if report is None:
+            try:
+                placed = ray.get(broker.rejoin.remote(trial_id, placed["group"], placed["generation"], resume_from))
+            except ray.exceptions.RayTaskError as e:
+                raise TrainingError(f"trial {trial_id} ({values}): its group failed, then: {e.cause}") from None
+            _record(out, placed, resume_from)
+            continue
         if "error" in report:
             raise TrainingError(f"trial {trial_id} ({values}): {report['error']}")
         folder = report.pop("checkpoint")
         done = report.pop("done")
+        resume_from = folder or resume_from
         if cfg.tune.metric in report:
             checkpoint = tune.Checkpoint.from_directory(folder) if folder else None
             tune.report({**report, "done": done}, checkpoint=checkpoint)
         if done:
             return
+
+
+def _record(out: Path, placed: dict, resume_from: str | None) -> None:
+    """``group.json``: the group the trial trains in (and how many times it was started anew), and the checkpoint
+    the trial joined it from."""
+    record = {"group": placed["group"], "generation": placed["generation"], "resumed_from": resume_from}
+    (out / "group.json").write_text(json.dumps(record))
+
+
+def _next_report(broker, trial: str, runs: list) -> dict | None:
+    """The trial's next report from its group, or None when a worker of the group ended first."""
+    import ray
+
+    pending = broker.next_report.remote(trial)
+    ready, _ = ray.wait([pending, *runs], num_returns=1)
+    if pending in ready:
+        return ray.get(pending)
+    ray.cancel(pending)
+    return None

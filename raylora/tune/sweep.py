@@ -78,15 +78,13 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     parent = _parent_run(cfg, out, resume)
     callbacks = [_release_stopped_callback(out)]
-    group_actors = None
+    group_broker = None
     if cfg.tune.trials_per_group > 1:
         slots = at_once
         group_count, at_once = groups.plan(cfg, slots)
-        group_actors = groups.start(cfg, data, group_count)
+        group_broker = groups.start(cfg, data, group_count)
         callbacks.append(groups.leave_callback(cfg))
-        trainable = tune.with_parameters(
-            groups.run_member, job=to_dict(cfg), parent=parent, broker=group_actors[0], runs=group_actors[1]
-        )
+        trainable = tune.with_parameters(groups.run_member, job=to_dict(cfg), parent=parent, broker=group_broker)
         layout = f", {group_count} group(s) of up to {cfg.tune.trials_per_group} trials sharing a base"
         if group_count < slots:
             layout += (
@@ -121,8 +119,8 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     try:
         grid = tuner.fit()
     finally:
-        if group_actors is not None:
-            groups.stop(*group_actors)
+        if group_broker is not None:
+            groups.stop(group_broker)
     rows = [_finish_trial(cfg, result) for result in grid]
     completed = [r for r in rows if r["status"] == "completed"]
     _write_table(rows, out / "results.csv")

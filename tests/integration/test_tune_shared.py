@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -111,3 +112,41 @@ def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_pa
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
     assert len(rows) == 3 and all(",completed,30," in row for row in rows), rows
     assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_group_that_loses_a_worker_starts_anew_and_its_trials_resume_from_their_checkpoints(tmp_path, ray_session):
+    """Rank 1 of a two-worker group is killed mid-sweep; rank 0 waits in a collective for it. The broker ends the
+    group, starts it anew, and both trials join again from their last checkpoints and complete every step."""
+    cfg = load_config(
+        ROOT / "configs/tiny_sweep_cpu.yaml",
+        [f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=false",
+         "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
+         "tune.scheduler=none", "tune.trials_per_group=2", "train.num_workers=2", "train.max_steps=60",
+         "train.checkpoint_every=4"],
+    )  # fmt: skip
+    trials, stores = tmp_path / "sweep" / "trials", tmp_path / "sweep" / "groups"
+    killed = {}
+
+    def kill_rank1_after_a_checkpoint() -> None:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if len(list(trials.glob("*/ray/checkpoint_000004"))) == 2:
+                killed["pid"] = json.loads((stores / "group0.rank1.json").read_text())["pid"]
+                killed["finished"] = len(list(trials.glob("*/ray/checkpoint_000060")))
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_rank1_after_a_checkpoint)
+    killer.start()
+    result = sweep(cfg, log=lambda s: None)
+    killer.join()
+    assert killed.get("finished") == 0, killed  # killed while both trials trained
+    assert [(r["status"], r["steps"]) for r in result["trials"]] == [("completed", 60)] * 2
+    restarted = json.loads((stores / "group0.rank1.json").read_text())
+    assert restarted["pid"] != killed["pid"] and restarted["world"] == 2
+    for trial in trials.iterdir():
+        placed = json.loads((trial / "group.json").read_text())
+        assert placed["generation"] == 1 and Path(placed["resumed_from"]).name.startswith("checkpoint_0000"), placed
+        history = json.loads((trial / "history.json").read_text())
+        assert [h["step"] for h in history if "eval_loss" in h] == list(range(2, 61, 2))

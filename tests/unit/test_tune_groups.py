@@ -58,7 +58,7 @@ def test_the_broker_fills_the_emptiest_group_first():
 
     async def place(trials: int) -> list[int]:
         broker = groups.Broker(groups=2, per_group=4)
-        return [await broker.join(f"t{i}", {}, "", None, {}, None) for i in range(trials)]
+        return [(await broker.join(f"t{i}", {}, "", None, {}, None))["group"] for i in range(trials)]
 
     assert asyncio.run(place(6)) == [0, 1, 0, 1, 0, 1]
 
@@ -103,19 +103,34 @@ def test_the_sweep_lists_the_space_and_the_group_problems_together(tmp_path):
     assert not (tmp_path / "tune").exists()
 
 
-def test_no_trial_joins_a_group_that_ended_and_none_waits_when_every_group_did():
-    """A group whose worker died fails its trials; the trials after them go to the groups still running."""
+def test_a_failed_group_starts_anew_once_and_its_members_join_from_their_checkpoints():
+    """The first member to see its group fail restarts it (train.max_failures times); the others join the new
+    start; with no restart left the group ends, and no trial joins it again."""
     import asyncio
 
-    async def place() -> tuple[list[int], str]:
-        broker = groups.Broker(groups=2, per_group=4)
-        placed = [await broker.join("t0", {}, "", None, {}, None)]
-        await broker.ended(0)
-        placed += [await broker.join(f"t{i}", {}, "", None, {}, None) for i in (1, 2)]
-        await broker.ended(1)
+    async def scenario() -> tuple[list, list, list, str]:
+        broker = groups.Broker(groups=1, per_group=2, restarts=1)
+        first = [await broker.join(t, {}, "", None, {}, None) for t in ("t0", "t1")]
+        again = [await broker.rejoin("t0", 0, 0, "t0/checkpoint_4"), await broker.rejoin("t1", 0, 0, "t1/checkpoint_6")]
+        joins = [(j["trial"], j["resume_from"]) for j in broker.joins[0]]
         with pytest.raises(RuntimeError) as e:
-            await asyncio.wait_for(broker.join("t3", {}, "", None, {}, None), timeout=5)
-        return placed, str(e.value)
+            await asyncio.wait_for(broker.rejoin("t0", 0, 1, "t0/checkpoint_8"), timeout=5)
+        return [p["generation"] for p in first + again], joins, sorted(broker.ended_groups), str(e.value)
 
-    placed, message = asyncio.run(place())
-    assert placed == [0, 1, 1] and "every group of the sweep has ended" in message
+    generations, joins, ended, message = asyncio.run(scenario())
+    assert generations == [0, 0, 1, 1]  # t1 saw the same failure: the group did not start a third time
+    assert joins == [("t0", "t0/checkpoint_4"), ("t1", "t1/checkpoint_6")]  # the first start's joins are gone
+    assert ended == [0] and "every group of the sweep has ended" in message
+
+
+def test_a_member_of_an_ended_group_joins_another():
+    import asyncio
+
+    async def place() -> list[int]:
+        broker = groups.Broker(groups=2, per_group=4)
+        placed = [(await broker.join("t0", {}, "", None, {}, None))["group"]]
+        placed.append((await broker.rejoin("t0", 0, 0, "t0/checkpoint_2"))["group"])
+        placed += [(await broker.join(f"t{i}", {}, "", None, {}, None))["group"] for i in (1, 2)]
+        return placed
+
+    assert asyncio.run(place()) == [0, 1, 1, 1]
