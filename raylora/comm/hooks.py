@@ -14,7 +14,7 @@
 ``hadamard3``  three bits per entry: each 128-entry block of the bucket (plus the residual: error feedback) is
               rotated by a fixed random-sign Hadamard transform, which spreads its large entries over the whole
               block so that its values look Gaussian, then each value is sent as the nearest of the 8 Lloyd-Max
-              levels of a Gaussian times the block's RMS (one fp16 scale per block): 0.098 of the bytes of ``none``
+              levels of a Gaussian times the block's RMS (one bf16 scale per block): 0.098 of the bytes of ``none``
 
 Why ``hadamard3`` keeps Adam's loss where ``sign`` and ``topk`` lose it: Adam divides each entry's step by the root
 of its mean square gradient. A compressor with error feedback delivers each entry's gradient on average, but with
@@ -322,7 +322,7 @@ def _sign_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[
 
 
 def _hadamard3_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Send each rotated block as 3-bit codes of :data:`HADAMARD3_LEVELS` and its fp16 RMS; keep what they miss.
+    """Send each rotated block as 3-bit codes of :data:`HADAMARD3_LEVELS` and its bf16 RMS; keep what they miss.
 
     Each rank all-gathers the others' codes and scales (uint8), sums what they stand for in the rotated space,
     rotates the sum back once and divides by the number of ranks. ``corrected - decoded`` is the residual added
@@ -343,7 +343,7 @@ def _hadamard3_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Fu
         total = torch.zeros(codes.numel(), dtype=torch.float32, device=buffer.device)
         for part in gathered:
             total += _hadamard3_values(
-                _unpack3(part[:code_bytes], codes.numel()), part[code_bytes:].view(torch.float16)
+                _unpack3(part[:code_bytes], codes.numel()), part[code_bytes:].view(torch.bfloat16)
             )
         buffer.copy_(_rotate(total)[:n].div_(world))
         return buffer
@@ -352,13 +352,16 @@ def _hadamard3_hook(hook: CommHook, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def _hadamard3_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, scales)`` of fp32 vector ``x``, zero-padded to whole blocks and rotated (:func:`_rotate`): uint8
-    codes 0-7, one per padded entry, the nearest level to each rotated value over its block's RMS; one fp16 RMS per
-    block (clamped to fp16's range)."""
+    """``(codes, scales)`` of fp32 vector ``x``, zero-padded to whole blocks and rotated (:func:`_rotate`): one
+    bf16 RMS per block (fp32's range: without loss scaling a block's RMS can fall below fp16's smallest normal,
+    6e-5), and uint8 codes 0-7, one per padded entry, the nearest level to each rotated value over the
+    scale as sent. A block of zeros sends scale 0; a non-finite block a non-finite scale, so the decoded step is
+    non-finite and skipped."""
     rotated = _rotate(torch.nn.functional.pad(x, (0, -x.numel() % HADAMARD3_BLOCK))).view(-1, HADAMARD3_BLOCK)
-    scales = rotated.square().mean(1).sqrt().clamp(max=torch.finfo(torch.float16).max).half()
+    scales = rotated.square().mean(1).sqrt().bfloat16()
+    sent = scales.float()[:, None]
+    ratio = torch.where(sent > 0, rotated / sent, 0.0)
     levels = torch.tensor(HADAMARD3_LEVELS, device=x.device)
-    ratio = rotated / scales.float().clamp_min(torch.finfo(torch.float16).tiny)[:, None]
     codes = torch.bucketize(ratio, (levels[1:] + levels[:-1]) / 2)
     return codes.flatten().to(torch.uint8), scales
 

@@ -119,7 +119,8 @@ class Broker:
 
     Args:
         groups: number of groups; per_group: places in each (``tune.trials_per_group``).
-        launch: ``launch(index, broker) -> (actors, run refs)`` starts group ``index``'s workers (:func:`launcher`;
+        launch: ``launch(index, generation, broker) -> (actors, run refs)`` starts group ``index``'s workers
+            (:func:`launcher`;
             None in tests of the placement alone).
         restarts: how many times each group may be started anew after it lost a worker (``train.max_failures``).
     """
@@ -131,7 +132,7 @@ class Broker:
         self.leaves: list[set[str]] = [set() for _ in range(groups)]
         self.wake = [asyncio.Event() for _ in range(groups)]
         self.queues: dict[str, asyncio.Queue] = {}
-        self.waiting: set[str] = set()
+        self.waiting: dict[str, int] = {}  # trial -> its next_report calls now waiting (a cancelled one may linger)
         self.members: dict[str, dict] = {}  # trial -> what it joined with, to join again after its group failed
         self.launch = launch
         self.restarts = [restarts] * groups
@@ -164,6 +165,8 @@ class Broker:
             for index, places in sorted(enumerate(self.places), key=lambda item: len(item[1])):
                 if index not in self.ended_groups and len(places) < self.per_group:
                     places.add(trial)
+                    if trial in self.queues:
+                        self.queues[trial].put_nowait(None)  # ends a next_report left waiting on the old queue
                     self.queues[trial] = asyncio.Queue()
                     self.joins[index].append(
                         {"trial": trial, "job": job, "out": out, "resume_from": resume_from, "values": values,
@@ -175,8 +178,13 @@ class Broker:
 
     async def rejoin(self, trial: str, index: int, generation: int, resume_from: str | None) -> dict:
         """The trial saw a worker of its group (``index``, started ``generation`` times anew) fail: the first of the
-        group's trials to ask ends the group's other workers and starts it anew, or, with no restart left, marks it
-        ended. Then the trial joins a group again (:meth:`join`) from the checkpoint folder ``resume_from``."""
+        group's trials to ask ends the group's other workers and starts it anew, then each joins it again from its
+        checkpoint folder ``resume_from`` (:meth:`join`: the trial may land in another group with a free place).
+
+        Raises:
+            RuntimeError: the group failed with no restart left (``train.max_failures``): its trials fail with it,
+                as a Ray Train run does, and no trial joins it again; the other groups go on.
+        """
         if generation == self.generation[index] and index not in self.ended_groups:
             import ray
 
@@ -189,6 +197,9 @@ class Broker:
                 self._launch(index)
             else:
                 self.ended_groups.add(index)
+        if index in self.ended_groups and generation == self.generation[index]:
+            raise RuntimeError(f"group {index} lost a worker after {self.generation[index]} restart(s), its last "
+                               "(train.max_failures); see the Ray worker logs for the cause")  # fmt: skip
         member = self.members[trial]
         return await self.join(trial, member["job"], member["out"], resume_from, member["values"], member["parent"])
 
@@ -196,7 +207,7 @@ class Broker:
         if self.launch is not None:
             import ray
 
-            self.workers[index] = self.launch(index, ray.get_runtime_context().current_actor)
+            self.workers[index] = self.launch(index, self.generation[index], ray.get_runtime_context().current_actor)
 
     async def current(self) -> tuple[list, list]:
         """Every group's live workers and their run refs."""
@@ -204,6 +215,8 @@ class Broker:
 
     async def leave(self, trial: str) -> None:
         """The trial ended (Tune stopped it, it finished or failed): its group drops it at its next step."""
+        self.members.pop(trial, None)
+        self.queues.pop(trial, None)
         for index, places in enumerate(self.places):
             if trial in places:
                 places.discard(trial)
@@ -211,23 +224,26 @@ class Broker:
                 self.leaves[index].add(trial)
                 self.wake[index].set()
 
-    async def next_report(self, trial: str) -> dict:
-        """The trial's next report from its group (waits for it)."""
-        self.waiting.add(trial)
+    async def next_report(self, trial: str) -> dict | None:
+        """The trial's next report from its group (waits for it); None when the trial joined again meanwhile."""
+        self.waiting[trial] = self.waiting.get(trial, 0) + 1
         for index, places in enumerate(self.places):
             if trial in places:
                 self.wake[index].set()  # an idle group may be waiting for this trial to go on
         try:
             return await self.queues[trial].get()
         finally:
-            self.waiting.discard(trial)
+            self.waiting[trial] -= 1
 
-    async def exchange(self, index: int, reports: list[tuple[str, dict]], idle: bool) -> dict:
+    async def exchange(self, index: int, generation: int, reports: list[tuple[str, dict]], idle: bool) -> dict:
         """A group's call between two steps: it hands its reports and gets its joins, leaves and released members.
 
         ``ready``: members whose trial has taken every report and waits for more, i.e. Tune let it go on. An ``idle``
-        group (no member may step) waits here, up to a second, for something to change.
+        group (no member may step) waits here, up to a second, for something to change. A worker of a group that
+        was started anew since (``generation`` behind) is told to close: its reports and the joins are not its own.
         """
+        if generation != self.generation[index]:
+            return {"join": [], "leave": set(), "ready": set(), "closed": True}
         for trial, report in reports:
             if trial in self.queues:
                 self.queues[trial].put_nowait(report)
@@ -243,7 +259,7 @@ class Broker:
         return {"join": joins, "leave": leaves, "ready": self._ready(index), "closed": self.closed}
 
     def _ready(self, index: int) -> set[str]:
-        return {t for t in self.places[index] if t in self.waiting and self.queues[t].empty()}
+        return {t for t in self.places[index] if self.waiting.get(t) and self.queues[t].empty()}
 
     async def close(self) -> None:
         self.closed = True
@@ -287,7 +303,7 @@ class GroupWorker:
                 "device": str(self.group.device), "rows": len(rows)}  # fmt: skip
         (Path(store).parent / f"group{index}.rank{rank}.json").write_text(json.dumps(info))
 
-    def run(self, broker, index: int) -> int:
+    def run(self, broker, index: int, generation: int) -> int:
         """Train members as they come and go; returns the number of steps taken."""
         import ray
 
@@ -304,7 +320,7 @@ class GroupWorker:
             plan = None
             if group.rank == 0:
                 idle = all(name in held for name in group.members)
-                plan = ray.get(broker.exchange.remote(index, reports, idle))
+                plan = ray.get(broker.exchange.remote(index, generation, reports, idle))
                 reports = []
                 held = (held - plan["leave"]) - plan["ready"]
                 plan["held"] = held
@@ -372,7 +388,8 @@ def start(cfg: JobConfig, data, groups: int):
 
 
 def launcher(cfg: JobConfig, data):
-    """``launch(index, broker) -> (actors, run refs)``: starts group ``index``'s workers and their :meth:`GroupWorker.run`."""
+    """``launch(index, generation, broker) -> (actors, run refs)``: starts group ``index``'s workers and their
+    :meth:`GroupWorker.run`."""
     from raylora.backends import worker_plan
 
     world = cfg.train.num_workers
@@ -389,7 +406,7 @@ def launcher(cfg: JobConfig, data):
     stores.mkdir(parents=True, exist_ok=True)
     job, train, evaluation = to_dict(cfg), data.train, data.eval
 
-    def launch(index: int, broker) -> tuple[list, list]:
+    def launch(index: int, generation: int, broker) -> tuple[list, list]:
         import ray
 
         store = stores / f"group{index}.store"
@@ -398,7 +415,7 @@ def launcher(cfg: JobConfig, data):
         workers = [
             actor.remote(job, train, evaluation, index, rank, world, str(store), dist_backend) for rank in range(world)
         ]
-        return workers, [w.run.remote(broker, index) for w in workers]
+        return workers, [w.run.remote(broker, index, generation) for w in workers]
 
     return launch
 
@@ -449,7 +466,7 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, broker) ->
     reported, and Tune sees its steps since then reported again.
 
     Raises:
-        TrainingError: the member diverged, could not join (its error), or every group ended.
+        TrainingError: the member diverged, could not join (its error), or its group failed with no restart left.
     """
     import ray
     from ray import tune
@@ -471,7 +488,7 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, broker) ->
             try:
                 placed = ray.get(broker.rejoin.remote(trial_id, placed["group"], placed["generation"], resume_from))
             except ray.exceptions.RayTaskError as e:
-                raise TrainingError(f"trial {trial_id} ({values}): its group failed, then: {e.cause}") from None
+                raise TrainingError(f"trial {trial_id} ({values}): {e.cause}") from None
             _record(out, placed, resume_from)
             continue
         if "error" in report:

@@ -3,7 +3,7 @@ train.num_workers: 2) on a tiny Llama, with ASHA and MLflow.
 
 Each trial is still a Tune trial (its row, its child run, its checkpoints and adapter); all four share the base.
 Two trials train at once (``tune.max_concurrent: 2``), the two good ones first: ASHA never cuts the first trial to
-reach a rung, so with all four at once the order in which their reports reach Tune decided whether any was cut.
+reach a rung, so with all four at once the order in which their reports reached Tune decided whether any was cut.
 The two slow ones join the group as the first two end, and meet both results at their first rung.
 """
 
@@ -45,7 +45,8 @@ def swept(tmp_path_factory, ray_session):
 def test_trials_share_groups_and_asha_stops_the_slow_ones(swept):
     tmp, result = swept
     statuses = {r["train.lr"]: r["status"] for r in result["trials"]}
-    assert statuses[0.03] == "completed" and statuses[1e-6] == statuses[1e-7] == "stopped early", statuses
+    # the first of the two good trials to reach a rung is never cut there; both slow ones meet the good ones' results
+    assert "completed" in (statuses[0.03], statuses[0.01]) and statuses[1e-6] == statuses[1e-7] == "stopped early"
     assert all(r["steps"] < 8 for r in result["trials"] if r["status"] == "stopped early")
     placed = [json.loads((Path(r["dir"]) / "group.json").read_text())["group"] for r in result["trials"]]
     assert placed == [0, 0, 0, 0]  # the two CPUs hold one group of two workers
@@ -128,7 +129,7 @@ def test_a_group_that_loses_a_worker_starts_anew_and_its_trials_resume_from_thei
     killed = {}
 
     def kill_rank1_after_a_checkpoint() -> None:
-        deadline = time.time() + 120
+        deadline = time.time() + 300
         while time.time() < deadline:
             if len(list(trials.glob("*/ray/checkpoint_000004"))) == 2:
                 killed["pid"] = json.loads((stores / "group0.rank1.json").read_text())["pid"]
@@ -139,8 +140,22 @@ def test_a_group_that_loses_a_worker_starts_anew_and_its_trials_resume_from_thei
 
     killer = threading.Thread(target=kill_rank1_after_a_checkpoint)
     killer.start()
-    result = sweep(cfg, log=lambda s: None)
+    outcome = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = sweep(cfg, log=lambda s: None)
+        except Exception as e:
+            outcome["error"] = e
+
+    # a restart that went wrong would leave the sweep waiting: fail the test instead of hanging the suite
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=400)
     killer.join()
+    assert "error" not in outcome, outcome["error"]
+    assert "result" in outcome, "the sweep did not end within 400 s"
+    result = outcome["result"]
     assert killed.get("finished") == 0, killed  # killed while both trials trained
     assert [(r["status"], r["steps"]) for r in result["trials"]] == [("completed", 60)] * 2
     restarted = json.loads((stores / "group0.rank1.json").read_text())

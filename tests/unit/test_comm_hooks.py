@@ -179,7 +179,7 @@ def test_hooks_match_plain_all_reduce_and_count_their_bytes(tmp_path):
 
 
 def _check_hadamard3(ranks: list[dict]) -> None:
-    """3 bits an entry of whole 128-entry blocks and an fp16 scale per block; the average of what each rank's codes
+    """3 bits an entry of whole 128-entry blocks and a bf16 scale per block; the average of what each rank's codes
     stand for, rotated back; the residual is exactly what they miss."""
     from raylora.comm.hooks import _hadamard3_encode, _hadamard3_values, _rotate
 
@@ -218,7 +218,7 @@ def test_hadamard3_rotation_levels_and_packing():
     # a heavy-tailed vector (cubes of Gaussian draws) loses about 3.5% of its energy, as a Gaussian one would
     x = torch.randn(300, generator=torch.Generator().manual_seed(0)) ** 3
     codes, scales = _hadamard3_encode(x)
-    assert codes.numel() == 384 and codes.max() <= 7 and scales.dtype == torch.float16 and scales.numel() == 3
+    assert codes.numel() == 384 and codes.max() <= 7 and scales.dtype == torch.bfloat16 and scales.numel() == 3
     decoded = _rotate(_hadamard3_values(codes, scales))[:300]
     assert 0.02 < float((decoded - x).square().sum() / x.square().sum()) < 0.05
     # each rotated value's code is the nearest level in units of its block's RMS
@@ -230,6 +230,15 @@ def test_hadamard3_rotation_levels_and_packing():
     assert torch.equal(_unpack3(packed, codes.numel()), codes)
     zeros, zero_scales = _hadamard3_encode(torch.zeros(5))
     assert _rotate(_hadamard3_values(zeros, zero_scales))[:5].tolist() == [0.0] * 5
+    # small gradients (fp32 or bf16 training without loss scaling) keep their precision; a non-finite one stays
+    # non-finite, so the step is skipped and the error feedback cleared
+    for size in (1e-4, 1e-6, 1e-9, 1e-20):
+        small = x * size
+        codes, scales = _hadamard3_encode(small)
+        decoded = _rotate(_hadamard3_values(codes, scales))[:300]
+        assert 0.02 < float((decoded - small).square().sum() / small.square().sum()) < 0.05, size
+    x[3] = float("inf")
+    assert not _rotate(_hadamard3_values(*_hadamard3_encode(x))).isfinite().all()
 
 
 def _local_grads(rank: int) -> dict:

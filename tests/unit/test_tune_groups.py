@@ -105,32 +105,52 @@ def test_the_sweep_lists_the_space_and_the_group_problems_together(tmp_path):
 
 def test_a_failed_group_starts_anew_once_and_its_members_join_from_their_checkpoints():
     """The first member to see its group fail restarts it (train.max_failures times); the others join the new
-    start; with no restart left the group ends, and no trial joins it again."""
+    start; a worker of the old start is told to close and gets none of the new joins; with no restart left the
+    group's trials fail with it."""
     import asyncio
 
-    async def scenario() -> tuple[list, list, list, str]:
+    async def scenario() -> tuple[list, list, dict, list, str]:
         broker = groups.Broker(groups=1, per_group=2, restarts=1)
         first = [await broker.join(t, {}, "", None, {}, None) for t in ("t0", "t1")]
         again = [await broker.rejoin("t0", 0, 0, "t0/checkpoint_4"), await broker.rejoin("t1", 0, 0, "t1/checkpoint_6")]
+        stale = await broker.exchange(0, 0, [("t0", {"step": 9})], idle=False)
         joins = [(j["trial"], j["resume_from"]) for j in broker.joins[0]]
         with pytest.raises(RuntimeError) as e:
-            await asyncio.wait_for(broker.rejoin("t0", 0, 1, "t0/checkpoint_8"), timeout=5)
-        return [p["generation"] for p in first + again], joins, sorted(broker.ended_groups), str(e.value)
+            await broker.rejoin("t0", 0, 1, "t0/checkpoint_8")
+        return [p["generation"] for p in first + again], joins, stale, sorted(broker.ended_groups), str(e.value)
 
-    generations, joins, ended, message = asyncio.run(scenario())
+    generations, joins, stale, ended, message = asyncio.run(scenario())
     assert generations == [0, 0, 1, 1]  # t1 saw the same failure: the group did not start a third time
+    assert stale == {"join": [], "leave": set(), "ready": set(), "closed": True}
     assert joins == [("t0", "t0/checkpoint_4"), ("t1", "t1/checkpoint_6")]  # the first start's joins are gone
-    assert ended == [0] and "every group of the sweep has ended" in message
+    assert ended == [0] and "group 0 lost a worker after 1 restart(s)" in message
 
 
-def test_a_member_of_an_ended_group_joins_another():
+def test_a_group_with_no_restart_left_fails_its_trials_and_the_others_go_on():
     import asyncio
 
-    async def place() -> list[int]:
+    async def scenario() -> tuple[list[int], str, int]:
         broker = groups.Broker(groups=2, per_group=4)
-        placed = [(await broker.join("t0", {}, "", None, {}, None))["group"]]
-        placed.append((await broker.rejoin("t0", 0, 0, "t0/checkpoint_2"))["group"])
-        placed += [(await broker.join(f"t{i}", {}, "", None, {}, None))["group"] for i in (1, 2)]
-        return placed
+        placed = [(await broker.join(t, {}, "", None, {}, None))["group"] for t in ("t0", "t1")]
+        with pytest.raises(RuntimeError) as e:
+            await broker.rejoin("t0", 0, 0, "t0/checkpoint_2")
+        later = (await broker.join("t2", {}, "", None, {}, None))["group"]
+        return placed, str(e.value), later
 
-    assert asyncio.run(place()) == [0, 1, 1, 1]
+    placed, message, later = asyncio.run(scenario())
+    assert placed == [0, 1] and "group 0 lost a worker" in message and later == 1
+
+
+def test_a_next_report_left_waiting_ends_when_its_trial_joins_again():
+    import asyncio
+
+    async def scenario() -> tuple[object, dict]:
+        broker = groups.Broker(groups=1, per_group=2, restarts=1)
+        await broker.join("t0", {}, "", None, {}, None)
+        old = asyncio.ensure_future(broker.next_report("t0"))
+        await asyncio.sleep(0)
+        await broker.rejoin("t0", 0, 0, None)
+        return await asyncio.wait_for(old, timeout=5), broker.waiting
+
+    report, waiting = asyncio.run(scenario())
+    assert report is None and waiting == {"t0": 0}
