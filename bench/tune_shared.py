@@ -7,12 +7,16 @@ groups as the 8 trials fill (two of 4, or one of 8), each training its trials at
 3e-2 / 1e-2 / 1e-3 / 1e-4 on the tiny model with every trial run to train.max_steps (tune.scheduler=none, so both
 do the same work), in one Ray session after a warm-up sweep.
 
+``--at-once N`` runs N trials at a time on both sides (``tune.max_concurrent``; the baseline's trials then get
+cores / N CPUs each): the memory of the same number of adapters in training, each on its own base or sharing one.
+Without it each side runs as many as it fits: two one-CPU trials alone, every group's K trials shared.
+
 Prints, for each: the sweep's wall time, the peak of the summed proportional set size (PSS: shared pages split
 between the processes that map them) of the driver and every process under it (Ray's own, the trials', the
 workers', the groups'), sampled every 0.5 s, with its split by kind of process at the peak, and the best trial's
 config and eval loss; then the ratios.
 
-    .venv/bin/python bench/tune_shared.py [--steps 16] [--k 4] [--model tiny-llama]
+    .venv/bin/python bench/tune_shared.py [--steps 16] [--k 4] [--model tiny-llama] [--group-cpus 1] [--at-once N]
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def _kind(proc) -> str:
     return Path(name).name
 
 
-def run(tmp: Path, name: str, k: int, steps: int, model: str, cpus: int = 1) -> dict:
+def run(tmp: Path, name: str, k: int, steps: int, model: str, cpus: float = 1, at_once: int = 0) -> dict:
     from raylora.config import load_config
     from raylora.tune.sweep import sweep
 
@@ -81,7 +85,7 @@ def run(tmp: Path, name: str, k: int, steps: int, model: str, cpus: int = 1) -> 
             SPACE, "tune.search=grid", "tune.num_samples=1", "tune.scheduler=none", f"train.max_steps={steps}",
             f"tune.trials_per_group={k}", f"model.name_or_path={model}", f"train.cpus_per_worker={cpus}",
             f"data.sources=[{{path: {ROOT / 'data' / 'raylora_identity.jsonl'}}}]", f"data.output_dir={tmp}/data-{model}",
-            f"train.output_dir={tmp}/{name}", "tracking.enabled=false",
+            f"train.output_dir={tmp}/{name}", "tracking.enabled=false", f"tune.max_concurrent={at_once or 'null'}",
         ],
     )  # fmt: skip
     started = time.perf_counter()
@@ -97,16 +101,19 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="trials per group of the shared-base sweep")
     parser.add_argument("--model", default="tiny-llama", help="e.g. smollm2-135m-instruct (needs its files cached)")
     parser.add_argument("--group-cpus", type=int, default=1, help="train.cpus_per_worker of the shared side's groups")
+    parser.add_argument("--at-once", type=int, default=0, help="trials at a time on both sides (0: as many as fit)")
     args = parser.parse_args()
     from raylora.cluster import ensure_ray
 
     ensure_ray()
     with tempfile.TemporaryDirectory() as tmp:
         run(Path(tmp), "warm-up", 1, 2, args.model)  # data prepared, Ray's worker processes and imports cached
-        alone = run(Path(tmp), "alone", 1, args.steps, args.model)
-        shared = run(Path(tmp), "shared", args.k, args.steps, args.model, args.group_cpus)
+        alone_cpus = os.cpu_count() / args.at_once if args.at_once else 1
+        alone = run(Path(tmp), "alone", 1, args.steps, args.model, alone_cpus, args.at_once)
+        shared = run(Path(tmp), "shared", args.k, args.steps, args.model, args.group_cpus, args.at_once)
+    at_once = f"{args.at_once} trials at a time on both sides" if args.at_once else "as many trials at a time as fit"
     print(f"{args.model}, 8 trials (rank 4/16 x lr 3e-2/1e-2/1e-3/1e-4), {args.steps} steps each, no scheduler, "
-          f"one-CPU trials, groups of {args.group_cpus} CPU(s), {os.cpu_count()} cores")  # fmt: skip
+          f"{alone_cpus:g}-CPU trials alone, groups of {args.group_cpus} CPU(s), {at_once}, {os.cpu_count()} cores")  # fmt: skip
     for name, r in (("trials_per_group=1", alone), (f"trials_per_group={args.k}", shared)):
         best = ", ".join(f"{key}={value}" for key, value in r["best"]["config"].items())
         print(f"{name:19s} {r['seconds']:6.1f} s  peak memory {r['peak_gb']:5.2f} GB  "
