@@ -120,8 +120,7 @@ class Broker:
     Args:
         groups: number of groups; per_group: places in each (``tune.trials_per_group``).
         launch: ``launch(index, generation, broker) -> (actors, run refs)`` starts group ``index``'s workers
-            (:func:`launcher`;
-            None in tests of the placement alone).
+            (:func:`launcher`; None in tests of the placement alone).
         restarts: how many times each group may be started anew after it lost a worker (``train.max_failures``).
     """
 
