@@ -6,9 +6,10 @@ batches of 4 x 64 tokens drawn per rank (each sequence counts up from a random s
 sequences. Every hook runs the same steps on the same data in the same pair of processes, back to back; ``none``
 (an fp32 all-reduce) is the baseline. A compressed run drifts from ``none``'s like a run on other data would, so
 each hook runs on ``--orders`` data orders (the batches drawn with other seeds), and its loss is compared with
-``none``'s on the same order: the table gives the mean of these paired differences and their range. Bytes are the payload each rank hands to collectives over the whole run,
-warm-up steps included (``raylora.comm.bytes``: measured, not derived). Step times are medians after 3 steps; the
-overhead column is a hook's median step time minus ``none``'s.
+``none``'s on the same order: the table gives the mean of these paired differences and their range. Bytes are
+the payload each rank hands to collectives over the whole run, warm-up steps included (``raylora.comm.bytes``:
+measured, not derived). Step times are medians after 3 steps; the overhead column is a hook's median step time
+minus ``none``'s.
 
 Overlap: 2 micro-batches per step (the first under ``no_sync``), ``none`` hook, and a profiler trace of each of 5
 steps; ``raylora.comm.overlap`` reads off the share of gloo's all-reduce time that falls inside backward's compute.
@@ -186,8 +187,8 @@ def main() -> None:
         step_s = statistics.median(r["step_s"] for r in runs)
         loss = statistics.mean(r["eval_loss"] for r in runs)
         deltas = [100 * (r["eval_loss"] / b["eval_loss"] - 1) for r, b in zip(runs, base, strict=True)]
-        print(f"| {name} | {runs[0]['bytes']:,.0f} | {runs[0]['bytes'] / base[0]['bytes']:.3f}x | {1000 * step_s:.1f} | "
-              f"{1000 * (step_s - base_s):+.1f} | {loss:.4f} | {statistics.mean(deltas):+.2f}% "
+        print(f"| {name} | {runs[0]['bytes']:,.0f} | {runs[0]['bytes'] / base[0]['bytes']:.3f}x | "
+              f"{1000 * step_s:.1f} | {1000 * (step_s - base_s):+.1f} | {loss:.4f} | {statistics.mean(deltas):+.2f}% "
               f"({min(deltas):+.2f}% .. {max(deltas):+.2f}%) |")  # fmt: skip
     print("\ntarget: a hook cuts bytes by >= 90% with eval loss within 1% of none")
     print("\nall-reduce hidden behind backward (hook none, 2 micro-batches a step, median of 5 traced steps)\n")
