@@ -32,6 +32,8 @@ from typing import Any
 from raylora.config import ConfigError, JobConfig, from_dict, to_dict
 from raylora.data.packs import read_packs, worker_share
 
+HOLD_GRACE = 0.5  # seconds a group that has members to step waits for Tune to answer its held members' reports
+
 # Keys a group's members must share: they shape the group's workers or its single forward pass.
 SHARED_TRAIN_KEYS = {
     "train.num_workers": "the group's workers",
@@ -234,28 +236,44 @@ class Broker:
         finally:
             self.waiting[trial] -= 1
 
-    async def exchange(self, index: int, generation: int, reports: list[tuple[str, dict]], idle: bool) -> dict:
+    async def exchange(
+        self, index: int, generation: int, reports: list[tuple[str, dict]], held: set[str], idle: bool
+    ) -> dict:
         """A group's call between two steps: it hands its reports and gets its joins, leaves and released members.
 
-        ``ready``: members whose trial has taken every report and waits for more, i.e. Tune let it go on. An ``idle``
-        group (no member may step) waits here, up to a second, for something to change. A worker of a group that
-        was started anew since (``generation`` behind) is told to close: its reports and the joins are not its own.
+        ``ready``: members whose trial has taken every report and waits for more, i.e. Tune let it go on. ``held``:
+        the group's members whose metric report Tune has not answered. The group waits here for those answers, up
+        to a second when no member may step (``idle``), else up to :data:`HOLD_GRACE` seconds, so that members let
+        go on a moment apart step (and are evaluated) together instead of drifting a step apart for good. A worker of
+        a group that was started anew since (``generation`` behind) is told to close: its reports and the joins are
+        not its own.
         """
         if generation != self.generation[index]:
             return {"join": [], "leave": set(), "ready": set(), "closed": True}
         for trial, report in reports:
             if trial in self.queues:
                 self.queues[trial].put_nowait(report)
-        if idle and not (self.joins[index] or self.leaves[index] or self.closed):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (1.0 if idle else HOLD_GRACE)
+        while not self._settled(index, held, idle):
             self.wake[index].clear()
-            if not self._ready(index):
-                try:
-                    await asyncio.wait_for(self.wake[index].wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
+            try:
+                await asyncio.wait_for(self.wake[index].wait(), timeout=max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                break
         joins, leaves = self.joins[index], self.leaves[index]
         self.joins[index], self.leaves[index] = [], set()
         return {"join": joins, "leave": leaves, "ready": self._ready(index), "closed": self.closed}
+
+    def _settled(self, index: int, held: set[str], idle: bool) -> bool:
+        """Whether a group's exchange has what it waits for: a join, a leave, the close, or an answer for each of
+        its ``held`` members (an ``idle`` group holding none, i.e. one without members, waits for a join)."""
+        if self.joins[index] or self.leaves[index] or self.closed:
+            return True
+        if not held:
+            return not idle
+        ready = self._ready(index)
+        return all(t in ready or t not in self.places[index] for t in held)
 
     def _ready(self, index: int) -> set[str]:
         return {t for t in self.places[index] if self.waiting.get(t) and self.queues[t].empty()}
@@ -319,7 +337,7 @@ class GroupWorker:
             plan = None
             if group.rank == 0:
                 idle = all(name in held for name in group.members)
-                plan = ray.get(broker.exchange.remote(index, generation, reports, idle))
+                plan = ray.get(broker.exchange.remote(index, generation, reports, held, idle))
                 reports = []
                 held = (held - plan["leave"]) - plan["ready"]
                 plan["held"] = held

@@ -113,7 +113,7 @@ def test_a_failed_group_starts_anew_once_and_its_members_join_from_their_checkpo
         broker = groups.Broker(groups=1, per_group=2, restarts=1)
         first = [await broker.join(t, {}, "", None, {}, None) for t in ("t0", "t1")]
         again = [await broker.rejoin("t0", 0, 0, "t0/checkpoint_4"), await broker.rejoin("t1", 0, 0, "t1/checkpoint_6")]
-        stale = await broker.exchange(0, 0, [("t0", {"step": 9})], idle=False)
+        stale = await broker.exchange(0, 0, [("t0", {"step": 9})], set(), idle=False)
         joins = [(j["trial"], j["resume_from"]) for j in broker.joins[0]]
         with pytest.raises(RuntimeError) as e:
             await broker.rejoin("t0", 0, 1, "t0/checkpoint_8")
@@ -154,3 +154,35 @@ def test_a_next_report_left_waiting_ends_when_its_trial_joins_again():
 
     report, waiting = asyncio.run(scenario())
     assert report is None and waiting == {"t0": 0}
+
+
+def test_members_tune_lets_go_on_a_moment_apart_step_together():
+    """A group hands the metric reports of its two members (both held until Tune answers) and their trials answer
+    0.2 s apart: the exchange returns both ready, so the members take their next step (and evaluation) together.
+    A held member whose trial does not answer costs a group with other members to step HOLD_GRACE at most."""
+    import asyncio
+    import time
+
+    async def scenario() -> tuple[set, set, float]:
+        broker = groups.Broker(groups=1, per_group=3)
+        for t in ("t0", "t1", "t2"):
+            await broker.join(t, {}, "", None, {}, None)
+        await broker.exchange(0, 0, [], set(), idle=True)  # the group takes the joins
+        first = {t: asyncio.ensure_future(broker.next_report(t)) for t in ("t0", "t1", "t2")}
+        await asyncio.sleep(0)
+
+        async def answer(trial: str, delay: float) -> None:
+            await first[trial]
+            await asyncio.sleep(delay)
+            asyncio.ensure_future(broker.next_report(trial))  # Tune let the trial go on: it waits for more
+
+        answers = [asyncio.ensure_future(answer("t0", 0.0)), asyncio.ensure_future(answer("t1", 0.2))]
+        both = await broker.exchange(0, 0, [("t0", {"eval_loss": 1.0}), ("t1", {"eval_loss": 2.0})], {"t0", "t1"}, True)
+        await asyncio.gather(*answers)
+        started = time.perf_counter()
+        late = await broker.exchange(0, 0, [("t2", {"eval_loss": 3.0})], {"t2"}, idle=False)
+        return both["ready"], late["ready"], time.perf_counter() - started
+
+    both, late, waited = asyncio.run(scenario())
+    assert both == {"t0", "t1", "t2"}  # t2 was not held: its trial waits for a report
+    assert late == {"t0", "t1"} and groups.HOLD_GRACE <= waited < groups.HOLD_GRACE + 0.5
