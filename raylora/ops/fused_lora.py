@@ -31,30 +31,57 @@ from raylora.ops.lora import plain_lora
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one parent reading one input
 
 
-class _Group:
-    """Siblings sharing one down-projection; ``parts`` holds the latest input's result until the parent returns."""
+class SharedDown:
+    """Siblings sharing one down-projection; ``parts`` holds the latest input's results until the parent returns.
+
+    Each adapter has its own parts: in a grouped sweep's forward (:mod:`raylora.train.group`) several adapters
+    share the siblings, and the group's members may adapt different subsets of them."""
 
     def __init__(self, members: list[nn.Module]):
         self.members = members
         self.x: torch.Tensor | None = None
-        self.parts: dict[int, torch.Tensor] = {}
+        self.parts: dict[tuple[str, int], torch.Tensor] = {}
 
-    def down(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """``x @ A.T`` for ``layer``; the first sibling to see ``x`` computes every sibling's at once."""
+    def down(self, layer: nn.Module, x: torch.Tensor, adapter: str, dropped) -> torch.Tensor | None:
+        """``dropout(x) @ A.T`` of ``layer``'s ``adapter``; the first sibling holding ``adapter`` to see ``x``
+        computes every such sibling's at once, on ``dropped()`` (its dropout of the rows the adapter reads). None
+        when another sibling holding ``adapter`` should have seen ``x`` first (no shared input to use)."""
         if self.x is not x:
-            if layer is not self.members[0]:  # a sibling got another tensor: no shared input to use
+            self.x, self.parts = x, {}
+        key = (adapter, id(layer))
+        if key not in self.parts:
+            holders = [m for m in self.members if adapter in m.lora_A]
+            if layer is not holders[0]:
                 return None
-            first = self.members[0]
-            weights = [m.lora_A[m.active_adapters[0]].weight for m in self.members]
-            both = F.linear(_dropped(first, _lora_input(x, weights[0])), torch.cat(weights))
-            self.x = x
-            self.parts = dict(
-                zip(map(id, self.members), both.split([w.shape[0] for w in weights], dim=-1), strict=True)
-            )
-        return self.parts.pop(id(layer), None)
+            weights = [m.lora_A[adapter].weight for m in holders]
+            both = F.linear(dropped(), torch.cat(weights))
+            keys = [(adapter, id(m)) for m in holders]
+            self.parts.update(zip(keys, both.split([w.shape[0] for w in weights], dim=-1), strict=True))
+        return self.parts.pop(key)
 
     def clear(self, *_) -> None:
         self.x, self.parts = None, {}
+
+
+def clear_siblings(parent: nn.Module, *_) -> None:
+    """A parent module's forward hook: its LoRA children's shared down-projections hold nothing past its forward
+    (neither the input nor unused parts: with activation recompute they would keep what it frees)."""
+    for child in parent.children():
+        if getattr(child, "_raylora_group", None) is not None:
+            child._raylora_group.clear()
+
+
+def siblings(parent: nn.Module) -> list[list[nn.Module]]:
+    """The sets of ``parent``'s LoRA linears that read one input (:data:`SIBLINGS`, same ``in_features``)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    children = {n: m for n, m in parent.named_children() if isinstance(m, LoraLinear)}
+    found = []
+    for names in SIBLINGS:
+        members = [children[n] for n in names if n in children]
+        if len(members) > 1 and len({m.in_features for m in members}) == 1:
+            found.append(members)
+    return found
 
 
 def _lora_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -82,9 +109,13 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = active[0]
     a, b = self.lora_A[name].weight, self.lora_B[name].weight
     result = self.base_layer(x, *args, **kwargs)
-    down = self._raylora_group.down(self, x) if self._raylora_group is not None else None
+
+    def dropped() -> torch.Tensor:
+        return _dropped(self, _lora_input(x, a))
+
+    down = self._raylora_group.down(self, x, name, dropped) if self._raylora_group is not None else None
     if down is None:
-        down = F.linear(_dropped(self, _lora_input(x, a)), a)
+        down = F.linear(dropped(), a)
     up = (b * self.scaling[name]).to(down.dtype)
     flat = torch.addmm(result.reshape(-1, result.shape[-1]).to(down.dtype), down.reshape(-1, down.shape[-1]), up.T)
     return flat.reshape(result.shape).to(result.dtype)
@@ -103,22 +134,23 @@ def fuse_lora(model: nn.Module) -> int:
 
     count = 0
     for parent in model.modules():
-        children = {n: m for n, m in parent.named_children() if isinstance(m, LoraLinear)}
-        for layer in children.values():
+        children = [m for m in parent.children() if isinstance(m, LoraLinear)]
+        for layer in children:
             if not plain_lora(layer, list(layer.lora_A)):
                 continue
             layer._raylora_group = None
             layer.forward = _fused_forward.__get__(layer)
             count += 1
-        for names in SIBLINGS:
-            members = [
-                children[n] for n in names if n in children and getattr(children[n], "_raylora_group", 1) is None
-            ]
+        shared = False
+        for members in siblings(parent):
+            members = [m for m in members if getattr(m, "_raylora_group", 1) is None]
             dropouts = {getattr(m.lora_dropout[m.active_adapters[0]], "p", 0.0) for m in members}
-            if len(members) < 2 or len({m.in_features for m in members}) != 1 or len(dropouts) != 1:
+            if len(members) < 2 or len(dropouts) != 1:
                 continue
-            group = _Group(members)
+            group = SharedDown(members)
             for m in members:
                 m._raylora_group = group
-            parent.register_forward_hook(group.clear)
+            shared = True
+        if shared:
+            parent.register_forward_hook(clear_siblings)
     return count

@@ -19,6 +19,7 @@ worker holds the same members, reads its own shard of the rows, and each member'
 
 from __future__ import annotations
 
+import hashlib
 import math
 import shutil
 import tempfile
@@ -35,14 +36,13 @@ from raylora.config import JobConfig
 from raylora.data.collate import collate_packs
 from raylora.models import load_model, target_modules
 from raylora.ops.dropout import lora_dropout
+from raylora.ops.fused_lora import SharedDown, clear_siblings, siblings
 from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
 from raylora.ops.packed_attention import use_packed_attention
 from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
 from raylora.train.lm import enable_recompute, head_is_plain_linear, store_frozen_linears
 from raylora.train.optim import adamw, build_scheduler
-
-DROPOUT_STATE = "dropout_rng.pt"  # a member checkpoint's dropout generator state, beside state.pt
 
 
 @dataclass
@@ -59,7 +59,6 @@ class Member:
     lr_scale: list[float]
     state: TrainState
     last_good: dict
-    dropout: torch.Generator  # the member's own dropout masks, whoever else is in the group
     resumed_from: int = 0
     bad_in_row: int = 0
     tokens_seen: int = 0
@@ -122,7 +121,8 @@ class Group:
         self.model = None  # the peft model, built when the first member joins
         self.chunked = False
         self.spans: dict[str, slice] = {}  # member -> its rows of the batch in flight, read by every LoRA layer
-        self.generators: dict[str, torch.Generator] = {}  # member -> its dropout generator
+        self.masks: dict[str, tuple] = {}  # member -> what its dropout masks of the forward in flight derive from
+        self.mask_generator = torch.Generator(self.device)
         self.members: dict[str, Member] = {}
 
     def join(self, name: str, cfg: JobConfig, out: Path | None = None, resume_from: Path | None = None) -> None:
@@ -163,18 +163,15 @@ class Group:
         scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
         scaler = torch.amp.GradScaler(self.backend.name, enabled=self.backend.needs_grad_scaler)
         state = TrainState()
-        generator = torch.Generator(self.device).manual_seed(cfg.train.seed)
         if resume_from is not None:
             ckpt.check_compatible(resume_from, cfg)
             state = ckpt.load(resume_from, self.model, optimizer, scheduler, scaler, adapter=name)
             lr_scale[0] = state.lr_scale
-            generator.set_state(torch.load(resume_from / DROPOUT_STATE))
         params = [p for _, p in named]
         snap = ckpt.snapshot(self.model, optimizer, scheduler, scaler, state, adapter=name)
         self.members[name] = Member(
-            name, cfg, out, params, optimizer, scheduler, scaler, lr_scale, state, snap, generator, state.step
+            name, cfg, out, params, optimizer, scheduler, scaler, lr_scale, state, snap, state.step
         )
-        self.generators[name] = generator
         self._keep_an_active_adapter()
         self._trainable()
 
@@ -182,7 +179,7 @@ class Group:
         """Remove a member and its adapter (its saved checkpoints stay); the others are untouched."""
         if name not in self.members:
             return
-        del self.members[name], self.generators[name]
+        del self.members[name]
         self.model.delete_adapter(name)
         self._keep_an_active_adapter()
         self._trainable()
@@ -267,7 +264,6 @@ class Group:
         partial.mkdir(parents=True)
         self.save_adapter(m.name, partial / "adapter")
         ckpt.save_state(partial, m.optimizer, m.scheduler, m.scaler, m.state, m.cfg)
-        torch.save(m.dropout.get_state(), partial / DROPOUT_STATE)
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
         for old in sorted(root.glob("checkpoint_*"))[: -m.cfg.train.keep_checkpoints]:
@@ -327,6 +323,7 @@ class Group:
         totals = {m.name: torch.zeros((), device=self.device) for m in members}
         for k in range(max(m.cfg.train.grad_accum for m in members)):
             present = [m for m in members if k < m.cfg.train.grad_accum]
+            self.masks = {m.name: (m.cfg.train.seed, m.state.step, m.state.skipped_steps, k) for m in present}
             losses = self._losses({m.name: micro[m.name][k] for m in present})
             objective = 0
             for i, m in enumerate(members):
@@ -432,15 +429,34 @@ class Group:
         return scores
 
     def _wire_layers(self) -> None:
-        """Give every LoRA linear of the peft model the grouped forward (new ones appear as members join)."""
+        """Give every LoRA linear of the peft model the grouped forward (new ones appear as members join), and
+        the siblings that read one input (q/k/v, gate/up) one down-projection per member."""
         from peft.tuners.lora import Linear as LoraLinear
 
-        for layer in self.model.modules():
+        for name, layer in self.model.named_modules():
             if isinstance(layer, LoraLinear):
                 layer._raylora_spans = self.spans
-                layer._raylora_generators = self.generators
+                layer._raylora_masks = self._masks
+                layer._raylora_name = name
+                layer._raylora_group = None
                 layer.forward = _grouped_forward.__get__(layer)
+        for parent in self.model.modules():
+            for members in siblings(parent):
+                group = SharedDown(members)
+                for m in members:
+                    m._raylora_group = group
+                if not getattr(parent, "_raylora_clears", False):
+                    parent.register_forward_hook(clear_siblings)
+                    parent._raylora_clears = True
         self.model.train()
+
+    def _masks(self, member: str, layer: str) -> torch.Generator:
+        """The generator of member ``member``'s dropout masks in layer ``layer`` for the forward in flight: seeded
+        from the member's seed, step, skipped steps, micro-batch and the layer's name, so the masks are the
+        member's own whoever else is in the group, a resumed member draws what it would have drawn, and the
+        backward's recompute of a layer draws its forward's masks again."""
+        seed = hashlib.blake2b(repr((*self.masks[member], layer)).encode(), digest_size=8).digest()
+        return self.mask_generator.manual_seed(int.from_bytes(seed) >> 1)
 
     def _trainable(self) -> None:
         """peft marks only its active adapter trainable when adapters come and go; every member trains."""
@@ -452,8 +468,9 @@ class Group:
 def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``base(x)`` over all rows, plus, added in place to each member's own rows, ``(dropout(x) A^T)(s B)^T``.
 
-    Dropout draws from the member's own generator (:func:`raylora.ops.dropout.lora_dropout`), so its masks do not
-    depend on the other members. The scaling multiplies ``B`` (rank x out elements), as the fused LoRA linear does.
+    Siblings reading one input share each member's down-projection, as the fused LoRA linear does
+    (:mod:`raylora.ops.fused_lora`: one dropout mask, one matmul against the stacked ``A``). Dropout masks come
+    from :meth:`Group._masks`. The scaling multiplies ``B`` (rank x out elements).
 
     ``x``: (rows, tokens, in_features), rows stacked member after member as ``self._raylora_spans`` says.
     """
@@ -462,8 +479,16 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if name not in self.lora_A:
             continue
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
-        rows = x[span] if torch.is_autocast_enabled(x.device.type) else x[span].to(a.dtype)
-        p = getattr(self.lora_dropout[name], "p", 0.0)
-        rows = lora_dropout(rows, p, self.training, self._raylora_generators[name])
-        result[span].add_(F.linear(F.linear(rows, a), b * self.scaling[name]).to(result.dtype))
+
+        def dropped(name=name, span=span, a=a) -> torch.Tensor:
+            rows = x[span] if torch.is_autocast_enabled(x.device.type) else x[span].to(a.dtype)
+            p = getattr(self.lora_dropout[name], "p", 0.0)
+            if not self.training or p == 0:
+                return rows
+            return lora_dropout(rows, p, True, self._raylora_masks(name, self._raylora_name))
+
+        down = self._raylora_group.down(self, x, name, dropped) if self._raylora_group is not None else None
+        if down is None:
+            down = F.linear(dropped(), a)
+        result[span].add_(F.linear(down, b * self.scaling[name]).to(result.dtype))
     return result

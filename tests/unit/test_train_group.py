@@ -15,6 +15,7 @@ import torch.distributed as dist
 from peft import PeftModel
 from ranks import run_two_ranks
 
+import raylora.ops.dropout
 from raylora.backends import resolve_backend
 from raylora.config import from_dict
 from raylora.data.packs import PackShard
@@ -137,6 +138,25 @@ def test_dropout_masks_are_each_members_own():
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_siblings_share_each_members_down_projection_and_dropout_mask(monkeypatch):
+    """As in the fused LoRA linear a worker runs: per decoder layer, a member on attention draws one mask for
+    q/k/v and one for o, a member on the MLP one for gate/up and one for down, each over its own rows."""
+    group = Group(_cfg(), _rows(), None)
+    group.join("ma", _cfg("ma", lora_dropout=0.2))
+    group.join("mb", _cfg("mb", lora_dropout=0.2, batch_size=1))
+    drawn = []
+    keep_mask = raylora.ops.dropout.keep_mask
+
+    def recording(shape, p, device="cpu", generator=None):
+        drawn.append(tuple(shape))
+        return keep_mask(shape, p, device, generator)
+
+    monkeypatch.setattr("raylora.ops.dropout.keep_mask", recording)
+    group.step()
+    layer = [(2, WIDTH, 64), (2, WIDTH, 64), (1, WIDTH, 64), (1, WIDTH, 128)]  # ma: q/k/v, o; mb: gate/up, down
+    assert drawn == layer * 2
+
+
 def test_the_first_member_leaving_or_every_member_leaving_does_not_stop_the_group():
     """peft keeps one active adapter name, the first member's; the group goes on when that member leaves, and
     when every member has left and a new one joins."""
@@ -239,17 +259,22 @@ def test_two_workers_all_reduce_each_members_gradients(tmp_path):
             torch.testing.assert_close(pair[name][key], value, atol=1e-5, rtol=1e-5, msg=f"{name} {key}")
 
 
-def test_recompute_reruns_each_layer_in_the_backward_and_changes_no_number():
-    """train.recompute_every applies to the group's one forward as to a worker's (it is a key members share)."""
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_recompute_reruns_each_layer_in_the_backward_and_changes_no_number(dropout):
+    """train.recompute_every applies to the group's one forward as to a worker's (it is a key members share); the
+    backward's rerun of a layer draws the members' dropout masks of its forward again."""
     plain, recomputed = Group(_cfg(), _rows(), None), Group(_cfg(recompute_every=1), _rows(), None)
-    calls = []
-    recomputed.base.model.layers[0].register_forward_hook(lambda *_: calls.append(1))
     for group in (plain, recomputed):
         for name in ("ma", "mb"):
-            group.join(name, _cfg(name, log_every=1, recompute_every=group.cfg.train.recompute_every))
-    ours, theirs = _run(recomputed, 2), _run(plain, 2)
+            group.join(name, _cfg(name, dropout, log_every=1, recompute_every=group.cfg.train.recompute_every))
+    calls = []
+    recomputed.base.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    ours, theirs = _run(recomputed, 3), _run(plain, 3)
     assert ours.keys() == theirs.keys() and all(ours[k] == pytest.approx(theirs[k], rel=1e-6) for k in ours)
-    assert len(calls) == 2 * 2  # each step: the forward, and again in the backward
+    for name in ("ma", "mb"):
+        for key, value in _weights(plain.model, name).items():
+            torch.testing.assert_close(_weights(recomputed.model, name)[key], value, atol=1e-6, rtol=1e-5)
+    assert len(calls) == 3 * 2  # each step: the forward, and again in the backward
 
 
 def test_a_bf16_group_stores_the_frozen_base_in_bf16_and_trains_fp32_adapters():
