@@ -57,7 +57,10 @@ class SharedDown:
             both = F.linear(dropped(), torch.cat(weights))
             keys = [(adapter, id(m)) for m in holders]
             self.parts.update(zip(keys, both.split([w.shape[0] for w in weights], dim=-1), strict=True))
-        return self.parts.pop(key)
+        part = self.parts.pop(key)
+        if not self.parts:  # every sibling took its part: keep no reference to x (a recompute may never clear it)
+            self.x = None
+        return part
 
     def clear(self, *_) -> None:
         self.x, self.parts = None, {}

@@ -456,7 +456,7 @@ class Group:
         member's own whoever else is in the group, a resumed member draws what it would have drawn, and the
         backward's recompute of a layer draws its forward's masks again."""
         seed = hashlib.blake2b(repr((*self.masks[member], layer)).encode(), digest_size=8).digest()
-        return self.mask_generator.manual_seed(int.from_bytes(seed) >> 1)
+        return self.mask_generator.manual_seed(int.from_bytes(seed, "big") >> 1)
 
     def _trainable(self) -> None:
         """peft marks only its active adapter trainable when adapters come and go; every member trains."""

@@ -242,11 +242,12 @@ class Broker:
         """A group's call between two steps: it hands its reports and gets its joins, leaves and released members.
 
         ``ready``: members whose trial has taken every report and waits for more, i.e. Tune let it go on. ``held``:
-        the group's members whose metric report Tune has not answered. The group waits here for those answers, up
-        to a second when no member may step (``idle``), else up to :data:`HOLD_GRACE` seconds, so that members let
-        go on a moment apart step (and are evaluated) together instead of drifting a step apart for good. A worker of
-        a group that was started anew since (``generation`` behind) is told to close: its reports and the joins are
-        not its own.
+        the group's members whose metric report Tune has not answered. The group waits here for those answers: up
+        to a second for all of them when no member may step (``idle``), else up to :data:`HOLD_GRACE` seconds for
+        those that report in this call, so that members Tune lets go on a moment apart step (and are evaluated)
+        together instead of drifting a step apart for good, and a member whose answer is slow costs the others
+        that wait once. A worker of a group that was started anew since (``generation`` behind) is told to close:
+        its reports and the joins are not its own.
         """
         if generation != self.generation[index]:
             return {"join": [], "leave": set(), "ready": set(), "closed": True}
@@ -255,12 +256,15 @@ class Broker:
                 self.queues[trial].put_nowait(report)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (1.0 if idle else HOLD_GRACE)
-        while not self._settled(index, held, idle):
+        awaited = held if idle else held & {trial for trial, _ in reports}
+        while not self._settled(index, awaited, idle):
             self.wake[index].clear()
             try:
                 await asyncio.wait_for(self.wake[index].wait(), timeout=max(0.0, deadline - loop.time()))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 break
+        if generation != self.generation[index]:  # started anew while this call waited: the joins are the new start's
+            return {"join": [], "leave": set(), "ready": set(), "closed": True}
         joins, leaves = self.joins[index], self.leaves[index]
         self.joins[index], self.leaves[index] = [], set()
         return {"join": joins, "leave": leaves, "ready": self._ready(index), "closed": self.closed}

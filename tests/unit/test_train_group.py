@@ -275,6 +275,8 @@ def test_recompute_reruns_each_layer_in_the_backward_and_changes_no_number(dropo
         for key, value in _weights(plain.model, name).items():
             torch.testing.assert_close(_weights(recomputed.model, name)[key], value, atol=1e-6, rtol=1e-5)
     assert len(calls) == 3 * 2  # each step: the forward, and again in the backward
+    shared = {m._raylora_group for m in recomputed.model.modules() if getattr(m, "_raylora_group", None)}
+    assert shared and all(s.x is None and not s.parts for s in shared)  # nothing of the recompute kept alive
 
 
 def test_a_bf16_group_stores_the_frozen_base_in_bf16_and_trains_fp32_adapters():

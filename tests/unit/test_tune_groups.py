@@ -181,8 +181,27 @@ def test_members_tune_lets_go_on_a_moment_apart_step_together():
         await asyncio.gather(*answers)
         started = time.perf_counter()
         late = await broker.exchange(0, 0, [("t2", {"eval_loss": 3.0})], {"t2"}, idle=False)
-        return both["ready"], late["ready"], time.perf_counter() - started
+        waited = time.perf_counter() - started
+        started = time.perf_counter()
+        await broker.exchange(0, 0, [], {"t2"}, idle=False)  # still held, but its wait was paid at its report
+        return both["ready"], late["ready"], waited, time.perf_counter() - started
 
-    both, late, waited = asyncio.run(scenario())
+    both, late, waited, again = asyncio.run(scenario())
     assert both == {"t0", "t1", "t2"}  # t2 was not held: its trial waits for a report
-    assert late == {"t0", "t1"} and groups.HOLD_GRACE <= waited < groups.HOLD_GRACE + 0.5
+    assert late == {"t0", "t1"} and groups.HOLD_GRACE <= waited < groups.HOLD_GRACE + 0.5 and again < 0.1
+
+
+def test_a_waiting_exchange_of_a_group_started_anew_meanwhile_takes_none_of_the_new_joins():
+    import asyncio
+
+    async def scenario() -> tuple[dict, list]:
+        broker = groups.Broker(groups=1, per_group=2, restarts=1)
+        await broker.join("t0", {}, "", None, {}, None)
+        await broker.exchange(0, 0, [], set(), idle=True)
+        old = asyncio.ensure_future(broker.exchange(0, 0, [("t0", {"eval_loss": 1.0})], {"t0"}, idle=True))
+        await asyncio.sleep(0.05)
+        await broker.rejoin("t0", 0, 0, "t0/checkpoint_2")  # the group lost a worker while the old call waited
+        return await old, [j["trial"] for j in broker.joins[0]]
+
+    stale, joins = asyncio.run(scenario())
+    assert stale["closed"] and stale["join"] == [] and joins == ["t0"]
