@@ -8,13 +8,13 @@ groups as the 8 trials fill (two of 4, or one of 8), each training its trials at
 do the same work), in one Ray session after a warm-up sweep.
 
 ``--at-once N`` runs N trials at a time on both sides (``tune.max_concurrent``; the baseline's trials then get
-cores / N CPUs each, and the shared side's group all the cores unless ``--group-cpus`` says otherwise): the same
-number of adapters in training on the same CPUs, each on its own base or sharing one.
+cores / N CPUs each, and each group of the shared side the CPUs of the K trials it stands for, unless ``--group-cpus``
+says otherwise): the same number of adapters in training on the same CPUs, each on its own base or sharing one.
 Without it each side runs as many as it fits: two one-CPU trials alone, every group's K trials shared.
 
 Prints, for each: the sweep's wall time, the peak of the summed proportional set size (PSS: shared pages split
 between the processes that map them) of the driver and every process under it (Ray's own, the trials', the
-workers', the groups'), sampled every second from a thread at the lowest CPU priority (reading every process's
+workers', the groups'), sampled every 3 s from a thread at the lowest CPU priority (reading every process's
 smaps_rollup took a fifth of a core at nice 0 and slowed the multi-threaded group most), with its split by kind of
 process at the peak, and the best trial's config and eval loss; then the ratios.
 
@@ -40,7 +40,7 @@ class PeakMemory:
     """The largest summed PSS of this process and all its descendants, sampled on a thread, and at that peak the PSS
     of each kind of process (Ray actors by class, Ray's own daemons by name)."""
 
-    def __init__(self, every: float = 1.0):
+    def __init__(self, every: float = 3.0):
         self.every, self.peak, self.kinds, self._stop = every, 0, {}, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="trials per group of the shared-base sweep")
     parser.add_argument("--model", default="tiny-llama", help="e.g. smollm2-135m-instruct (needs its files cached)")
     parser.add_argument("--group-cpus", type=int, help="train.cpus_per_worker of the shared side's groups "
-                        "(default: 1, or every core with --at-once)")  # fmt: skip
+                        "(default: 1; with --at-once N, cores x K / N)")  # fmt: skip
     parser.add_argument("--at-once", type=int, default=0, help="trials at a time on both sides (0: as many as fit)")
     args = parser.parse_args()
     from raylora.cluster import ensure_ray
@@ -112,8 +112,10 @@ def main() -> None:
     ensure_ray()
     with tempfile.TemporaryDirectory() as tmp:
         run(Path(tmp), "warm-up", 1, 2, args.model)  # data prepared, Ray's worker processes and imports cached
-        alone_cpus = os.cpu_count() / args.at_once if args.at_once else 1
-        args.group_cpus = args.group_cpus or (os.cpu_count() if args.at_once else 1)
+        cores = os.cpu_count()
+        alone_cpus = cores / args.at_once if args.at_once else 1
+        # with --at-once, a group gets the CPUs of the K trials it stands for
+        args.group_cpus = args.group_cpus or (min(cores, max(1, cores * args.k // args.at_once)) if args.at_once else 1)
         alone = run(Path(tmp), "alone", 1, args.steps, args.model, alone_cpus, args.at_once)
         shared = run(Path(tmp), "shared", args.k, args.steps, args.model, args.group_cpus, args.at_once)
     at_once = f"{args.at_once} trials at a time on both sides" if args.at_once else "as many trials at a time as fit"
