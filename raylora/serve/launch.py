@@ -138,6 +138,16 @@ def start(cfg: JobConfig) -> str:
     return f"http://{cfg.serve.host}:{cfg.serve.port}"
 
 
+def wait_for_interrupt(poll: float = 0.5) -> None:
+    """Sleep until a signal handler raises (KeyboardInterrupt), waking every ``poll`` seconds.
+
+    Python runs signal handlers on the main thread only when it runs bytecode, and the kernel may deliver a
+    process's SIGINT or SIGTERM to any of its threads (Ray's driver has dozens): then a long sleep of the main
+    thread is not interrupted, and ``raylora serve`` ignored Ctrl-C for up to its whole length."""
+    while True:
+        time.sleep(poll)
+
+
 def serve_forever(cfg: JobConfig) -> None:
     """``raylora serve``: deploy, print how to call it, and serve until Ctrl-C or SIGTERM, then stop cleanly."""
     import ray
@@ -152,8 +162,7 @@ def serve_forever(cfg: JobConfig) -> None:
     print(f"raylora serve: {url}/v1 is ready (OpenAI API; GET {url}/v1/models lists the base and adapters). "
           "Ctrl-C stops it.", flush=True)  # fmt: skip
     try:
-        while True:
-            time.sleep(3600)
+        wait_for_interrupt()
     except KeyboardInterrupt:
         print("raylora serve: stopping", flush=True)
         serve.delete(APP_NAME)
