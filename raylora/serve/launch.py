@@ -159,6 +159,7 @@ def serve_forever(cfg: JobConfig) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)  # whatever handler Ray or a library left for Ctrl-C
     print(f"raylora serve: {url}/v1 is ready (OpenAI API; GET {url}/v1/models lists the base and adapters). "
           "Ctrl-C stops it.", flush=True)  # fmt: skip
     try:

@@ -9,13 +9,26 @@ import pytest
 from raylora.serve.launch import wait_for_interrupt
 
 
+def _timeout(signum, frame):
+    raise AssertionError("wait_for_interrupt did not stop within 10 s")
+
+
 def test_a_sigint_delivered_to_another_thread_stops_the_wait_within_a_poll():
     def interrupt_from_this_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         time.sleep(0.2)
         signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # as the kernel may pick any of Ray's threads
 
-    threading.Thread(target=interrupt_from_this_thread, daemon=True).start()
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        wait_for_interrupt(poll=0.5)
-    assert time.monotonic() - started < 2.0
+    # serve_forever installs its own handler; earlier tests (Ray's) may have left another one for SIGINT
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGALRM, _timeout)
+    signal.alarm(10)  # the wait wakes every poll, so this fails the test instead of hanging the suite
+    try:
+        threading.Thread(target=interrupt_from_this_thread, daemon=True).start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            wait_for_interrupt(poll=0.5)
+        assert time.monotonic() - started < 2.0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGALRM, previous[1])
