@@ -8,8 +8,11 @@ rows (64-128 random token ids, the first quarter masked as prompt), ``--width`` 
 one member alone and for groups of K: the median step time after 2 warm-up steps, the time per member-step, and
 the process's peak RSS; then the ratios against K separate processes (K x the alone figures, what
 trials_per_group=1 pays when K trials run at once), and torch.profiler's top operators of one grouped step.
+Each group runs with each of ``--lanes``: 1 is every member on one thread with all ``--threads`` intra-op threads,
+N splits the members into N lanes on threads of their own with threads / N intra-op threads each (the default on
+CPU: as many lanes as threads).
 
-    .venv/bin/python bench/group_step.py [--model smollm2-135m-instruct] [--k 4 8] [--recompute 0 1]
+    .venv/bin/python bench/group_step.py [--model smollm2-135m-instruct] [--k 4 8] [--recompute 0 1] [--lanes 1 2]
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     recompute = args.recompute[0]
-    group = Group(_cfg(args.model, args.width, args.targets, 4, recompute), _rows(args.width), None)
+    group = Group(_cfg(args.model, args.width, args.targets, 4, recompute), _rows(args.width), None, lanes=args.lane)
     for i in range(args.child):
         group.join(f"m{i}", _cfg(args.model, args.width, args.targets, (4, 16)[i % 2], recompute))
     times = []
@@ -77,11 +80,13 @@ def child(args) -> None:
     print(json.dumps({"step_s": statistics.median(times[2:]), "peak_gb": peak_gb, "profile": table}))
 
 
-def _run(args, k: int, recompute: int, profile: bool = False) -> dict:
+def _run(args, k: int, recompute: int, lanes: int = 1, profile: bool = False) -> dict:
     command = [sys.executable, __file__, "--child", str(k), "--model", args.model, "--width", str(args.width),
                "--targets", args.targets, "--recompute", str(recompute), "--steps", str(args.steps),
-               "--threads", str(args.threads)] + (["--profile"] if profile else [])  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+               "--threads", str(args.threads), "--lane", str(lanes)] + (["--profile"] if profile else [])  # fmt: skip
+    out = subprocess.run(
+        command, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -94,26 +99,36 @@ def main() -> None:
     p.add_argument("--recompute", type=int, nargs="+", default=[0, 1], help="train.recompute_every values to run")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--lanes", type=int, nargs="+", help="lanes of each group (default: 1 and --threads)")
+    p.add_argument("--lane", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.lanes = args.lanes or sorted({1, args.threads})
     if args.child:
         return child(args)
     print(f"{args.model}, rows {args.width} tokens wide, batch 2, LoRA on {args.targets} (rank 4/16), "
           f"{args.threads} threads, {args.steps} steps a run (median after 2)\n")  # fmt: skip
-    print("| recompute_every | members | step s | s per member-step | vs alone | peak RSS GB | vs K alone processes |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| recompute_every | members | lanes | step s | s per member-step | vs alone | peak RSS GB | vs K alone processes |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for recompute in args.recompute:
         alone = _run(args, 1, recompute)
-        print(f"| {recompute} | 1 | {alone['step_s']:.2f} | {alone['step_s']:.2f} | 1.00x | {alone['peak_gb']:.2f} | |")
+        print(
+            f"| {recompute} | 1 | 1 | {alone['step_s']:.2f} | {alone['step_s']:.2f} | 1.00x | {alone['peak_gb']:.2f} | |"
+        )
         for k in args.k:
-            r = _run(args, k, recompute)
-            per = r["step_s"] / k
-            print(f"| {recompute} | {k} | {r['step_s']:.2f} | {per:.2f} | {alone['step_s'] / per:.2f}x faster | "
-                  f"{r['peak_gb']:.2f} | {r['peak_gb'] / (k * alone['peak_gb']):.2f}x |")  # fmt: skip
-    k = max(args.k)
-    print(f"\nprofile of one step of {k} members, recompute_every {args.recompute[0]} (self CPU time)\n")
-    print(_run(args, k, args.recompute[0], profile=True)["profile"])
+            for lanes in args.lanes:
+                r = _run(args, k, recompute, lanes)
+                per = r["step_s"] / k
+                print(f"| {recompute} | {k} | {lanes} | {r['step_s']:.2f} | {per:.2f} | {alone['step_s'] / per:.2f}x faster | "
+                      f"{r['peak_gb']:.2f} | {r['peak_gb'] / (k * alone['peak_gb']):.2f}x |")  # fmt: skip
+    k, lanes = max(args.k), max(args.lanes)
+    print(
+        f"\nprofile of one step of {k} members in {lanes} lane(s), recompute_every {args.recompute[0]} (self CPU time)\n"
+    )
+    print(_run(args, k, args.recompute[0], lanes, profile=True)["profile"])
 
 
 if __name__ == "__main__":

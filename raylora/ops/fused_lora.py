@@ -21,6 +21,8 @@ every element kept with probability 1 - p and scaled by 1/(1 - p). The reference
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,11 +33,13 @@ from raylora.ops.lora import plain_lora
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one parent reading one input
 
 
-class SharedDown:
+class SharedDown(threading.local):
     """Siblings sharing one down-projection; ``parts`` holds the latest input's results until the parent returns.
 
     Each adapter has its own parts: in a grouped sweep's forward (:mod:`raylora.train.group`) several adapters
-    share the siblings, and the group's members may adapt different subsets of them."""
+    share the siblings, and the group's members may adapt different subsets of them. Each thread has its own
+    input and parts (``threading.local`` runs ``__init__`` again in every thread that uses the object): a group
+    runs its members' forwards on several threads at once over the same layers."""
 
     def __init__(self, members: list[nn.Module]):
         self.members = members

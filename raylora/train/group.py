@@ -13,6 +13,12 @@ and steps its own optimizer. The base is frozen, so no gradient is summed over r
 exactly those of its own loss, and a member that joins or leaves changes nothing in the others' numbers (rows are
 padded to one fixed width, ``data.cutoff_len``, for that).
 
+On CPU, a step of several members runs in lanes: the members are split into as many parts as the worker has
+intra-op threads, and each part's forwards and backwards run on its own Python thread with one
+intra-op thread each, over the same base (torch releases the GIL in its ops). One multi-threaded op waits for
+its slowest thread at every op, so any process that takes a core for a moment (Tune's driver, Ray's daemons)
+stalls all of them; lanes meet once a step. ``bench/group_step.py`` measures both.
+
 Members join and leave between steps. With several workers (``world > 1``, torch.distributed started), every
 worker holds the same members, reads its own shard of the rows, and each member's gradients are all-reduced.
 """
@@ -23,7 +29,9 @@ import hashlib
 import math
 import shutil
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +88,16 @@ class Event:
     checkpoint: Path | None = None
 
 
+class _Lane(threading.local):
+    """What the forward in flight on this thread reads: its members' rows (``spans``), what their dropout masks
+    derive from (``masks``) and the generator drawing them."""
+
+    def __init__(self, device: torch.device):
+        self.spans: dict[str, slice] = {}
+        self.masks: dict[str, tuple] = {}
+        self.generator = torch.Generator(device)
+
+
 class Group:
     """One frozen base model and its member adapters, on this worker.
 
@@ -90,6 +108,9 @@ class Group:
         eval_rows: the evaluation pack rows (every worker reads all of them), or ``None``.
         rank, world, local_rank: this worker's place among the group's workers (torch.distributed started when
             world > 1) and on its node (which device it uses).
+        lanes: the most lanes a step splits its members into, each with its share of the calling thread's
+            intra-op threads (default: on CPU as many as those threads, elsewhere 1; 1: every member on the
+            calling thread).
     """
 
     def __init__(
@@ -100,6 +121,7 @@ class Group:
         rank: int = 0,
         world: int = 1,
         local_rank: int = 0,
+        lanes: int | None = None,
     ):
         self.cfg = cfg
         self.backend = resolve_backend(cfg.backend)
@@ -120,9 +142,9 @@ class Group:
         self.mask_dtype = self.backend.amp_dtype or self.base.dtype
         self.model = None  # the peft model, built when the first member joins
         self.chunked = False
-        self.spans: dict[str, slice] = {}  # member -> its rows of the batch in flight, read by every LoRA layer
-        self.masks: dict[str, tuple] = {}  # member -> what its dropout masks of the forward in flight derive from
-        self.mask_generator = torch.Generator(self.device)
+        self.lanes = lanes or (torch.get_num_threads() if self.device.type == "cpu" else 1)
+        self.pool: ThreadPoolExecutor | None = None  # runs every lane but the first (made at the first such step)
+        self.lane = _Lane(self.device)  # read by every LoRA layer, on each thread its own
         self.members: dict[str, Member] = {}
 
     def join(self, name: str, cfg: JobConfig, out: Path | None = None, resume_from: Path | None = None) -> None:
@@ -320,18 +342,8 @@ class Group:
         count = torch.tensor([counts[m.name] for m in members], device=self.device)
         if self.world > 1:
             dist.all_reduce(count)
-        totals = {m.name: torch.zeros((), device=self.device) for m in members}
-        for k in range(max(m.cfg.train.grad_accum for m in members)):
-            present = [m for m in members if k < m.cfg.train.grad_accum]
-            self.masks = {m.name: (m.cfg.train.seed, m.state.step, m.state.skipped_steps, k) for m in present}
-            losses = self._losses({m.name: micro[m.name][k] for m in present})
-            objective = 0
-            for i, m in enumerate(members):
-                if m.name in losses:
-                    scale = self.world / max(count[i, 0].item(), 1.0)
-                    objective = objective + m.scaler.scale(losses[m.name] * scale)
-                    totals[m.name] += losses[m.name].detach().float()
-            objective.backward()
+        scales = {m.name: self.world / max(count[i, 0].item(), 1.0) for i, m in enumerate(members)}
+        totals = self._in_lanes(members, lambda part: self._backward(part, micro, scales))
         if self.world > 1:
             self._all_reduce_grads(members, totals)
         results = {}
@@ -346,6 +358,54 @@ class Group:
             m.scaler.update()
             m.optimizer.zero_grad(set_to_none=True)
             results[m.name] = (loss, int(count[i, 1].item()), grad_norm, positions[m.name])
+        return results
+
+    def _backward(
+        self, members: list[Member], micro: dict[str, list[list[dict]]], scales: dict[str, float]
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward of ``members``' micro-batches (each loss times its scale); returns each member's
+        summed loss."""
+        totals = {m.name: torch.zeros((), device=self.device) for m in members}
+        for k in range(max(m.cfg.train.grad_accum for m in members)):
+            present = [m for m in members if k < m.cfg.train.grad_accum]
+            self.lane.masks = {m.name: (m.cfg.train.seed, m.state.step, m.state.skipped_steps, k) for m in present}
+            losses = self._losses({m.name: micro[m.name][k] for m in present})
+            objective = 0
+            for m in present:
+                objective = objective + m.scaler.scale(losses[m.name] * scales[m.name])
+                totals[m.name] += losses[m.name].detach().float()
+            objective.backward()
+        return totals
+
+    def _in_lanes(self, members: list[Member], work) -> dict:
+        """``work(part)`` for parts of ``members``, each part on its own thread with its share of the intra-op
+        threads, the first on this one; returns the union of their dicts. Parts balance the members' rows per step
+        (``batch_size x grad_accum``); a member's numbers do not depend on which part it is in."""
+        parts: list[list[Member]] = [[] for _ in range(min(self.lanes, len(members)))]
+        load = [0] * len(parts)
+        for m in sorted(members, key=lambda m: -m.cfg.train.batch_size * m.cfg.train.grad_accum):
+            lane = load.index(min(load))
+            parts[lane].append(m)
+            load[lane] += m.cfg.train.batch_size * m.cfg.train.grad_accum
+        if len(parts) == 1:
+            return work(members)
+        own = torch.get_num_threads()
+        threads = max(1, own // len(parts))
+
+        def run(part: list[Member]) -> dict:
+            torch.set_num_threads(threads)  # this thread's own setting
+            return work(part)
+
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="raylora-lane")
+        futures = [self.pool.submit(run, part) for part in parts[1:]]
+        try:
+            results = run(parts[0])
+        finally:
+            torch.set_num_threads(own)
+            wait(futures)  # no lane may still be using the model when this returns or raises
+        for future in futures:
+            results.update(future.result())
         return results
 
     def _all_reduce_grads(self, members: list[Member], totals: dict[str, torch.Tensor]) -> None:
@@ -372,10 +432,10 @@ class Group:
         Returns:
             member -> 0-d fp32 tensor.
         """
-        rows, start = [], 0
-        self.spans.clear()
+        rows, start, spans = [], 0, self.lane.spans
+        spans.clear()
         for name, member_rows in micro.items():
-            self.spans[name] = slice(start, start + len(member_rows))
+            spans[name] = slice(start, start + len(member_rows))
             rows += member_rows
             start += len(member_rows)
         batch = {
@@ -391,12 +451,12 @@ class Group:
             if self.chunked:
                 hidden = causal_lm.get_decoder()(**inputs).last_hidden_state
                 head = causal_lm.get_output_embeddings().weight
-                for name, span in self.spans.items():
+                for name, span in spans.items():
                     scored, targets = label_positions(hidden[span], batch["labels"][span])
                     losses[name] = linear_cross_entropy(scored, head, targets, amp)
             else:
                 logits = causal_lm(**inputs).logits
-                for name, span in self.spans.items():
+                for name, span in spans.items():
                     losses[name] = F.cross_entropy(
                         logits[span, :-1].flatten(0, 1).float(),
                         batch["labels"][span, 1:].flatten(),
@@ -405,28 +465,35 @@ class Group:
                     )
         return losses
 
-    @torch.no_grad()
     def _evaluate(self, members: list[Member]) -> dict[str, dict[str, float]]:
         """Eval loss per label token (and perplexity) of each of ``members`` over the eval rows, evaluated together."""
         self.model.eval()
-        total = torch.zeros(len(members), 2, dtype=torch.float64, device=self.device)
         size = members[0].cfg.train.batch_size
-        for start in range(0, len(self.eval_rows), size):
-            rows = self.eval_rows[start : start + size]
-            losses = self._losses({m.name: rows for m in members})
-            targets = sum(sum(1 for t in r["labels"][1:] if t != IGNORE_INDEX) for r in rows)
-            for i, m in enumerate(members):
-                total[i] += torch.tensor([losses[m.name].double().item(), float(targets)], dtype=torch.float64)
+        try:
+            sums = self._in_lanes(members, lambda part: self._eval_sums(part, size))
+        finally:
+            self.model.train()
+        targets = sum(1 for r in self.eval_rows for t in r["labels"][1:] if t != IGNORE_INDEX)
+        total = torch.tensor([[sums[m.name], float(targets)] for m in members], dtype=torch.float64, device=self.device)
         if self.world > 1:
             dist.all_reduce(total)
             total /= self.world  # every worker evaluated all the eval rows
-        self.model.train()
         scores = {}
         for i, m in enumerate(members):
             if total[i, 1] > 0:
                 value = (total[i, 0] / total[i, 1]).item()
                 scores[m.name] = {"eval_loss": value, "eval_perplexity": math.exp(min(value, 50))}
         return scores
+
+    @torch.no_grad()
+    def _eval_sums(self, members: list[Member], size: int) -> dict[str, float]:
+        """Each member's cross-entropy summed over the eval rows' label tokens, ``size`` rows a forward."""
+        sums = dict.fromkeys((m.name for m in members), 0.0)
+        for start in range(0, len(self.eval_rows), size):
+            losses = self._losses({m.name: self.eval_rows[start : start + size] for m in members})
+            for name in sums:
+                sums[name] += losses[name].double().item()
+        return sums
 
     def _wire_layers(self) -> None:
         """Give every LoRA linear of the peft model the grouped forward (new ones appear as members join), and
@@ -435,7 +502,7 @@ class Group:
 
         for name, layer in self.model.named_modules():
             if isinstance(layer, LoraLinear):
-                layer._raylora_spans = self.spans
+                layer._raylora_lane = self.lane
                 layer._raylora_masks = self._masks
                 layer._raylora_name = name
                 layer._raylora_group = None
@@ -455,8 +522,8 @@ class Group:
         from the member's seed, step, skipped steps, micro-batch and the layer's name, so the masks are the
         member's own whoever else is in the group, a resumed member draws what it would have drawn, and the
         backward's recompute of a layer draws its forward's masks again."""
-        seed = hashlib.blake2b(repr((*self.masks[member], layer)).encode(), digest_size=8).digest()
-        return self.mask_generator.manual_seed(int.from_bytes(seed, "big") >> 1)
+        seed = hashlib.blake2b(repr((*self.lane.masks[member], layer)).encode(), digest_size=8).digest()
+        return self.lane.generator.manual_seed(int.from_bytes(seed, "big") >> 1)
 
     def _trainable(self) -> None:
         """peft marks only its active adapter trainable when adapters come and go; every member trains."""
@@ -472,10 +539,10 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     (:mod:`raylora.ops.fused_lora`: one dropout mask, one matmul against the stacked ``A``). Dropout masks come
     from :meth:`Group._masks`. The scaling multiplies ``B`` (rank x out elements).
 
-    ``x``: (rows, tokens, in_features), rows stacked member after member as ``self._raylora_spans`` says.
+    ``x``: (rows, tokens, in_features), rows stacked member after member as ``self._raylora_lane.spans`` says.
     """
     result = self.base_layer(x, *args, **kwargs)
-    for name, span in self._raylora_spans.items():
+    for name, span in self._raylora_lane.spans.items():
         if name not in self.lora_A:
             continue
         a, b = self.lora_A[name].weight, self.lora_B[name].weight

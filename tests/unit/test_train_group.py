@@ -7,6 +7,7 @@ that join and leave change nothing in the others: that is checked bit for bit.
 """
 
 import random
+import threading
 
 import pyarrow as pa
 import pytest
@@ -138,10 +139,36 @@ def test_dropout_masks_are_each_members_own():
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_lanes_run_members_on_threads_of_their_own_and_change_no_number():
+    """On CPU a step of several members runs in lanes, one per intra-op thread: each lane's forward runs on its
+    own thread, and every loss, eval loss and weight is the one of a single lane (dropout masks included)."""
+    rows = _rows()
+    single, lanes = Group(_cfg(), rows, rows[:4], lanes=1), Group(_cfg(), rows, rows[:4], lanes=2)
+    for group in (single, lanes):
+        for name in ("ma", "mb", "mc"):
+            group.join(name, _cfg(name, 0.2, log_every=1, eval_every=2))
+    threads = set()
+    lanes.base.model.layers[0].register_forward_pre_hook(lambda *_: threads.add(threading.get_ident()))
+    reports = {}
+    for group in (single, lanes):
+        reports[group.lanes] = [(e.member, e.report) for _ in range(3) for e in group.step()]
+    assert len(threads) == 2 and threading.get_ident() in threads
+    assert [m for m, _ in reports[2]] == [m for m, _ in reports[1]] == ["ma", "mb", "mc"] * 3
+    assert ["eval_loss" in r for _, r in reports[1]] == [False] * 3 + [True] * 3 + [False] * 3
+    for (_, ours), (_, theirs) in zip(reports[2], reports[1], strict=True):
+        assert ours.keys() == theirs.keys()
+        for key in {"loss", "grad_norm", "eval_loss"} & theirs.keys():
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+    for name in ("ma", "mb", "mc"):
+        for key, value in _weights(single.model, name).items():
+            torch.testing.assert_close(_weights(lanes.model, name)[key], value, atol=1e-5, rtol=1e-5)
+
+
 def test_siblings_share_each_members_down_projection_and_dropout_mask(monkeypatch):
     """As in the fused LoRA linear a worker runs: per decoder layer, a member on attention draws one mask for
-    q/k/v and one for o, a member on the MLP one for gate/up and one for down, each over its own rows."""
-    group = Group(_cfg(), _rows(), None)
+    q/k/v and one for o, a member on the MLP one for gate/up and one for down, each over its own rows (one lane:
+    the draws come in the order of the forward)."""
+    group = Group(_cfg(), _rows(), None, lanes=1)
     group.join("ma", _cfg("ma", lora_dropout=0.2))
     group.join("mb", _cfg("mb", lora_dropout=0.2, batch_size=1))
     drawn = []
@@ -259,11 +286,13 @@ def test_two_workers_all_reduce_each_members_gradients(tmp_path):
             torch.testing.assert_close(pair[name][key], value, atol=1e-5, rtol=1e-5, msg=f"{name} {key}")
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_recompute_reruns_each_layer_in_the_backward_and_changes_no_number(dropout):
+def test_recompute_reruns_each_layer_in_the_backward_and_changes_no_number(dropout, lanes):
     """train.recompute_every applies to the group's one forward as to a worker's (it is a key members share); the
-    backward's rerun of a layer draws the members' dropout masks of its forward again."""
-    plain, recomputed = Group(_cfg(), _rows(), None), Group(_cfg(recompute_every=1), _rows(), None)
+    backward's rerun of a layer draws the members' dropout masks of its forward again, in one lane or in two."""
+    plain = Group(_cfg(), _rows(), None, lanes=lanes)
+    recomputed = Group(_cfg(recompute_every=1), _rows(), None, lanes=lanes)
     for group in (plain, recomputed):
         for name in ("ma", "mb"):
             group.join(name, _cfg(name, dropout, log_every=1, recompute_every=group.cfg.train.recompute_every))
@@ -274,9 +303,15 @@ def test_recompute_reruns_each_layer_in_the_backward_and_changes_no_number(dropo
     for name in ("ma", "mb"):
         for key, value in _weights(plain.model, name).items():
             torch.testing.assert_close(_weights(recomputed.model, name)[key], value, atol=1e-6, rtol=1e-5)
-    assert len(calls) == 3 * 2  # each step: the forward, and again in the backward
+    assert len(calls) == 3 * 2 * lanes  # each step and lane: the forward, and again in the backward
     shared = {m._raylora_group for m in recomputed.model.modules() if getattr(m, "_raylora_group", None)}
-    assert shared and all(s.x is None and not s.parts for s in shared)  # nothing of the recompute kept alive
+
+    def nothing_kept() -> bool:  # nothing of the recompute kept alive, on the thread that ran it
+        return bool(shared) and all(s.x is None and not s.parts for s in shared)
+
+    assert nothing_kept()
+    if lanes == 2:
+        assert recomputed.pool.submit(nothing_kept).result()  # the pool's one thread ran the second lane
 
 
 def test_a_bf16_group_stores_the_frozen_base_in_bf16_and_trains_fp32_adapters():
