@@ -10,9 +10,10 @@ the process's peak RSS; then the ratios against K separate processes (K x the al
 trials_per_group=1 pays when K trials run at once), and torch.profiler's top operators of one grouped step.
 Each group runs with each of ``--lanes``: 1 is every member on one thread with all ``--threads`` intra-op threads,
 N splits the members into N lanes on threads of their own with threads / N intra-op threads each (the default on
-CPU: as many lanes as threads).
+CPU: as many lanes as threads). ``--busy F`` runs every measurement beside two processes that each keep a core busy
+a fraction F of the time in 3 ms bursts, as Tune's driver and Ray's daemons do during a sweep.
 
-    .venv/bin/python bench/group_step.py [--model smollm2-135m-instruct] [--k 4 8] [--recompute 0 1] [--lanes 1 2]
+    .venv/bin/python bench/group_step.py [--model smollm2-135m-instruct] [--k 4 8] [--recompute 0 1] [--lanes 1 2] [--busy 0.15]
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ def child(args) -> None:
     print(json.dumps({"step_s": statistics.median(times[2:]), "peak_gb": peak_gb, "profile": table}))
 
 
+def _busy(fraction: float) -> None:
+    """Keep a core busy ``fraction`` of the time, in 3 ms bursts, until killed."""
+    while True:
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.003:
+            pass
+        time.sleep(0.003 * (1 - fraction) / fraction)
+
+
 def _run(args, k: int, recompute: int, lanes: int = 1, profile: bool = False) -> dict:
     command = [sys.executable, __file__, "--child", str(k), "--model", args.model, "--width", str(args.width),
                "--targets", args.targets, "--recompute", str(recompute), "--steps", str(args.steps),
@@ -101,14 +111,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--lanes", type=int, nargs="+", help="lanes of each group (default: 1 and --threads)")
     p.add_argument("--lane", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--busy", type=float, default=0.0, help="two busy processes beside each run, each this share of a core"
+    )
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.lanes = args.lanes or sorted({1, args.threads})
     if args.child:
         return child(args)
+    if args.busy:
+        import multiprocessing
+
+        hogs = [multiprocessing.Process(target=_busy, args=(args.busy,), daemon=True) for _ in range(2)]
+        for hog in hogs:
+            hog.start()
     print(f"{args.model}, rows {args.width} tokens wide, batch 2, LoRA on {args.targets} (rank 4/16), "
-          f"{args.threads} threads, {args.steps} steps a run (median after 2)\n")  # fmt: skip
+          f"{args.threads} threads, {args.steps} steps a run (median after 2), "
+          f"{f'beside two processes each busy {args.busy:.0%} of a core' if args.busy else 'nothing else running'}\n")  # fmt: skip
     print(
         "| recompute_every | members | lanes | step s | s per member-step | vs alone | peak RSS GB | vs K alone processes |"
     )
