@@ -118,6 +118,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.lanes = args.lanes or sorted({1, args.threads})
+    if not 0 <= args.busy < 1:
+        p.error("--busy is a share of a core: 0 (off) up to, not including, 1")
     if args.child:
         return child(args)
     if args.busy:
@@ -146,7 +148,7 @@ def main() -> None:
                       f"{r['peak_gb']:.2f} | {r['peak_gb'] / (k * alone['peak_gb']):.2f}x |")  # fmt: skip
     k, lanes = max(args.k), max(args.lanes)
     print(
-        f"\nprofile of one step of {k} members in {lanes} lane(s), recompute_every {args.recompute[0]} (self CPU time)\n"
+        f"\nprofile of one step of {k} members in {lanes} lane(s), recompute_every {args.recompute[0]} (self CPU time of the first lane's thread)\n"
     )
     print(_run(args, k, args.recompute[0], lanes, profile=True)["profile"])
 

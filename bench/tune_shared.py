@@ -16,7 +16,8 @@ Prints, for each: the sweep's wall time, the peak of the summed proportional set
 between the processes that map them) of the driver and every process under it (Ray's own, the trials', the
 workers', the groups'), sampled every 3 s from a thread at the lowest CPU priority (reading every process's
 smaps_rollup took a fifth of a core at nice 0 and slowed the multi-threaded group most), with its split by kind of
-process at the peak, and the best trial's config and eval loss; then the ratios.
+process at the peak, and the best trial's config and eval loss; then each config's eval loss on both sides and the
+ratios.
 
     .venv/bin/python bench/tune_shared.py [--steps 16] [--k 4] [--model tiny-llama] [--group-cpus 1] [--at-once N]
 """
@@ -94,8 +95,13 @@ def run(tmp: Path, name: str, k: int, steps: int, model: str, cpus: float = 1, a
     started = time.perf_counter()
     with PeakMemory() as memory:
         result = sweep(cfg, log=lambda s: None)
-    return {"seconds": time.perf_counter() - started, "peak_gb": memory.peak / 2**30, "best": result["best"],
-            "kinds": memory.kinds}
+    return {
+        "seconds": time.perf_counter() - started,
+        "peak_gb": memory.peak / 2**30,
+        "best": result["best"],
+        "kinds": memory.kinds,
+        "trials": result["trials"],
+    }
 
 
 def main() -> None:
@@ -127,10 +133,24 @@ def main() -> None:
               f"best eval_loss {r['best']['metric']:.4f} ({best})")  # fmt: skip
     for name, r in (("trials_per_group=1", alone), (f"trials_per_group={args.k}", shared)):
         kinds = sorted(r["kinds"].items(), key=lambda item: -item[1])
-        print(f"at the peak of {name}: " + ", ".join(f"{kind} {pss / 2**30:.2f} GB" for kind, pss in kinds if pss > 2**24))
+        print(
+            f"at the peak of {name}: " + ", ".join(f"{kind} {pss / 2**30:.2f} GB" for kind, pss in kinds if pss > 2**24)
+        )
+    print("eval_loss of each config (trials_per_group=1 / " + f"{args.k}): " + "; ".join(_by_config(alone, shared)))
     print(f"wall time ratio (1 / {args.k}): {alone['seconds'] / shared['seconds']:.2f}x faster; peak memory ratio "
           f"({args.k} / 1): {shared['peak_gb'] / alone['peak_gb']:.2f}x; best eval_loss difference "
           f"{shared['best']['metric'] - alone['best']['metric']:+.4f}")  # fmt: skip
+
+
+def _by_config(alone: dict, shared: dict) -> list[str]:
+    """``rank 4, lr 0.01: 2.0717 / 2.1876`` for each config of the grid, in the grid's order."""
+
+    def metrics(r: dict) -> dict[tuple, float]:
+        return {(t["lora.rank"], t["train.lr"]): t["metric"] for t in r["trials"]}
+
+    ours = metrics(shared)
+    return [f"rank {rank}, lr {lr:g}: {loss:.4f} / {ours.get((rank, lr), float('nan')):.4f}"
+            for (rank, lr), loss in sorted(metrics(alone).items(), key=lambda kv: (-kv[0][1], kv[0][0]))]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ exactly those of its own loss, and a member that joins or leaves changes nothing
 padded to one fixed width, ``data.cutoff_len``, for that).
 
 On CPU, a step of several members runs in lanes: the members are split into as many parts as the worker has
-intra-op threads, and each part's forwards and backwards run on its own Python thread with one
-intra-op thread each, over the same base (torch releases the GIL in its ops). One multi-threaded op waits for
+intra-op threads, and each part's forwards and backwards run on its own Python thread with its share of
+those threads (one each when there are as many members as threads), over the same base (torch releases the GIL in its ops). One multi-threaded op waits for
 its slowest thread at every op, so any process that takes a core for a moment (Tune's driver, Ray's daemons)
 stalls all of them; lanes meet once a step. ``bench/group_step.py`` measures both.
 
@@ -88,14 +88,20 @@ class Event:
     checkpoint: Path | None = None
 
 
-class _Lane(threading.local):
-    """What the forward in flight on this thread reads: its members' rows (``spans``), what their dropout masks
-    derive from (``masks``) and the generator drawing them."""
+class _Lane:
+    """What the forward in flight reads: its members' rows (``spans``), what their dropout masks derive from
+    (``masks``) and the generator drawing them."""
 
     def __init__(self, device: torch.device):
         self.spans: dict[str, slice] = {}
         self.masks: dict[str, tuple] = {}
         self.generator = torch.Generator(device)
+
+
+class _ThreadLane(_Lane, threading.local):
+    """A :class:`_Lane` of its own on each thread (``threading.local`` runs ``__init__`` again in each), for a group
+    that runs lanes. Only on CPU: on CUDA and NPU the backward, and a recompute in it, runs on a device thread of
+    autograd's, which must read the forward's lane."""
 
 
 class Group:
@@ -142,9 +148,9 @@ class Group:
         self.mask_dtype = self.backend.amp_dtype or self.base.dtype
         self.model = None  # the peft model, built when the first member joins
         self.chunked = False
-        self.lanes = lanes or (torch.get_num_threads() if self.device.type == "cpu" else 1)
+        self.lanes = (lanes or torch.get_num_threads()) if self.device.type == "cpu" else 1
         self.pool: ThreadPoolExecutor | None = None  # runs every lane but the first (made at the first such step)
-        self.lane = _Lane(self.device)  # read by every LoRA layer, on each thread its own
+        self.lane = (_ThreadLane if self.lanes > 1 else _Lane)(self.device)  # read by every LoRA layer
         self.members: dict[str, Member] = {}
 
     def join(self, name: str, cfg: JobConfig, out: Path | None = None, resume_from: Path | None = None) -> None:
@@ -393,7 +399,8 @@ class Group:
         threads = max(1, own // len(parts))
 
         def run(part: list[Member]) -> dict:
-            torch.set_num_threads(threads)  # this thread's own setting
+            torch.get_num_threads()  # a new thread's first call takes the process's count: take it before we set ours
+            torch.set_num_threads(threads)  # this thread's own count (and the process's, restored below)
             return work(part)
 
         if self.pool is None:
@@ -402,8 +409,8 @@ class Group:
         try:
             results = run(parts[0])
         finally:
-            torch.set_num_threads(own)
             wait(futures)  # no lane may still be using the model when this returns or raises
+            torch.set_num_threads(own)
         for future in futures:
             results.update(future.result())
         return results

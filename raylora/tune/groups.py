@@ -3,8 +3,9 @@
 Three kinds of Ray processes, and why:
 
 - A **group** actor (:class:`GroupWorker`) holds one copy of the base model and the training rows, and trains its
-  members with :class:`raylora.train.group.Group`, step after step, on its main thread (torch runs slower
-  on other threads). It takes the CPUs / devices of one Ray Train worker.
+  members with :class:`raylora.train.group.Group`, step after step, on its main thread (on CPU in lanes: parts
+  of the members on threads of their own, one intra-op thread each). It takes the CPUs / devices of one Ray
+  Train worker.
 - A **broker** actor (:class:`Broker`, asyncio, no CPU) starts the groups and is the mailbox between them and the
   trials: it gives each new trial a group with a free place, and carries each member's reports to its trial. A
   group asks it, once a step, for the members that join and leave, and hands it the step's reports. When a group
@@ -300,7 +301,8 @@ class GroupWorker:
             ``None``).
         index, rank, world, store, dist_backend: the group's index, this worker's rank, the group's worker count,
             the store file (``<output_dir>/groups/group<index>.store``; each worker writes
-            ``group<index>.rank<rank>.json`` beside it: host, pid, device, rows), the torch.distributed backend.
+            ``group<index>.rank<rank>.json`` beside it: host, pid, device, rows, lanes), the torch.distributed
+            backend.
     """
 
     def __init__(self, job: dict, train, evaluation, index: int, rank: int, world: int, store: str, dist_backend: str):
@@ -321,7 +323,7 @@ class GroupWorker:
         evaluation = read_packs(evaluation).to_pylist() if evaluation is not None else None
         self.group = Group(cfg, rows, evaluation, rank=rank, world=world)
         info = {"group": index, "rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.group.device), "rows": len(rows)}  # fmt: skip
+                "device": str(self.group.device), "rows": len(rows), "lanes": self.group.lanes}  # fmt: skip
         (Path(store).parent / f"group{index}.rank{rank}.json").write_text(json.dumps(info))
 
     def run(self, broker, index: int, generation: int) -> int:

@@ -78,15 +78,17 @@ def test_each_trial_has_its_mlflow_child_run(swept):
 
 
 def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path):
-    """Two trials share a group and finish; the driver is killed while the third trains; ``--resume`` restores the
-    sweep with Tune: the finished two are not rerun (their join records are untouched) and the third completes."""
+    """Two trials share a group (on both cores, so in two lanes) and finish; the driver is killed while the third
+    trains; ``--resume`` restores the sweep with Tune: the finished two are not rerun (their join records are untouched) and the third completes."""
     ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
     # Tune saves the sweep's state every 10 s or so by default: a trial that ended since the last save is rerun.
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TUNE_GLOBAL_CHECKPOINT_S": "0.5"}
+    # one group on both cores: its two members run in two lanes
     cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
            f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=false",
            "tune.space={train.lr: {grid: [0.03, 0.02, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
-           "tune.scheduler=none", "tune.trials_per_group=2", "tune.max_concurrent=2", "train.max_steps=30"]  # fmt: skip
+           "tune.scheduler=none", "tune.trials_per_group=2", "tune.max_concurrent=2", "train.max_steps=30",
+           "train.cpus_per_worker=2"]  # fmt: skip
     driver = subprocess.Popen(
         cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -113,6 +115,7 @@ def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_pa
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
     assert len(rows) == 3 and all(",completed,30," in row for row in rows), rows
     assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
+    assert json.loads((tmp_path / "sweep" / "groups" / "group0.rank0.json").read_text())["lanes"] == 2
 
 
 def test_a_group_that_loses_a_worker_starts_anew_and_its_trials_resume_from_their_checkpoints(tmp_path, ray_session):

@@ -149,10 +149,11 @@ def test_lanes_run_members_on_threads_of_their_own_and_change_no_number():
             group.join(name, _cfg(name, 0.2, log_every=1, eval_every=2))
     threads = set()
     lanes.base.model.layers[0].register_forward_pre_hook(lambda *_: threads.add(threading.get_ident()))
-    reports = {}
+    reports, own = {}, torch.get_num_threads()
     for group in (single, lanes):
         reports[group.lanes] = [(e.member, e.report) for _ in range(3) for e in group.step()]
     assert len(threads) == 2 and threading.get_ident() in threads
+    assert torch.get_num_threads() == own  # the calling thread's count is back
     assert [m for m, _ in reports[2]] == [m for m, _ in reports[1]] == ["ma", "mb", "mc"] * 3
     assert ["eval_loss" in r for _, r in reports[1]] == [False] * 3 + [True] * 3 + [False] * 3
     for (_, ours), (_, theirs) in zip(reports[2], reports[1], strict=True):
@@ -260,7 +261,7 @@ def _ddp_member(rank: int, folder: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     rows = _rows()
-    group = Group(_cfg(), rows[6 * rank : 6 * rank + 6], None, rank=rank, world=2)
+    group = Group(_cfg(), rows[6 * rank : 6 * rank + 6], None, rank=rank, world=2, lanes=2)
     for name in ("ma", "mb"):
         group.join(name, _cfg(name, log_every=1))
     losses = _run(group, 3)
@@ -270,8 +271,9 @@ def _ddp_member(rank: int, folder: str) -> None:
 
 
 def test_two_workers_all_reduce_each_members_gradients(tmp_path):
-    """Two gloo workers, each reading its half of the rows, train each member as one worker reading both halves'
-    micro-batches side by side at twice the batch size (loss rel 1e-5, weights 1e-5)."""
+    """Two gloo workers, each reading its half of the rows and running its members in two lanes, train each member
+    as one worker reading both halves' micro-batches side by side at twice the batch size (loss rel 1e-5, weights
+    1e-5)."""
     run_two_ranks(_ddp_member, str(tmp_path))
     pair = torch.load(tmp_path / "result.pt")
     rows = _rows()
