@@ -14,10 +14,11 @@ exactly those of its own loss, and a member that joins or leaves changes nothing
 padded to one fixed width, ``data.cutoff_len``, for that).
 
 On CPU, a step of several members runs in lanes: the members are split into as many parts as the worker has
-intra-op threads, and each part's forwards and backwards run on its own Python thread with its share of
-those threads (one each when there are as many members as threads), over the same base (torch releases the GIL in its ops). One multi-threaded op waits for
-its slowest thread at every op, so any process that takes a core for a moment (Tune's driver, Ray's daemons)
-stalls all of them; lanes meet once a step. ``bench/group_step.py`` measures both.
+intra-op threads, and each part's forwards and backwards run on its own Python thread with its share of those
+threads (one each when there are as many members as threads), over the same base (torch releases the GIL in its
+ops). One multi-threaded op waits for its slowest thread at every op, so any process that takes a core for a
+moment (Tune's driver, Ray's daemons) stalls all of them; lanes meet once a step. ``bench/group_step.py``
+measures both.
 
 Members join and leave between steps. With several workers (``world > 1``, torch.distributed started), every
 worker holds the same members, reads its own shard of the rows, and each member's gradients are all-reduced.
