@@ -4,7 +4,7 @@ Three kinds of Ray processes, and why:
 
 - A **group** actor (:class:`GroupWorker`) holds one copy of the base model and the training rows, and trains its
   members with :class:`raylora.train.group.Group`, step after step, on its main thread (on CPU in lanes: parts
-  of the members on threads of their own, one intra-op thread each). It takes the CPUs / devices of one Ray
+  of the members on threads of their own, each with its share of the intra-op threads). It takes the CPUs / devices of one Ray
   Train worker.
 - A **broker** actor (:class:`Broker`, asyncio, no CPU) starts the groups and is the mailbox between them and the
   trials: it gives each new trial a group with a free place, and carries each member's reports to its trial. A
