@@ -9,6 +9,7 @@ equal share of them. A streamed job (``data.streaming``) still hands Ray Train a
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -48,7 +49,16 @@ def read_packs(packs: Packs):
 
 def worker_share(packs: Packs, rank: int = 0, world: int = 1) -> PackShard:
     """Worker ``rank`` of ``world``'s :class:`PackShard` of ``packs``."""
-    return PackShard(interleave(read_packs(packs), rank, world))
+    return PackShard(read_packs(packs), rank, world)
+
+
+def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
+    """The order in which epoch ``epoch`` reads ``count`` packs: a permutation drawn from ``(seed, epoch)`` alone.
+
+    Packing writes each shard longest examples first (best-fit decreasing), so read as stored a run would
+    train on its longest examples first and its shortest last.
+    """
+    return random.Random(f"packs/{seed}/{epoch}").sample(range(count), count)
 
 
 def interleave(table, rank: int, world: int):
@@ -65,19 +75,47 @@ def interleave(table, rank: int, world: int):
 
 
 class PackShard:
-    """One worker's pack rows (a ``pyarrow.Table``), read in order.
+    """Worker ``rank`` of ``world``'s rows of ``table`` (all the packs), epoch by epoch.
 
-    ``iter_batches`` is the subset of Ray's ``DataIterator.iter_batches`` that training uses, so a Ray Train
-    dataset shard (a streamed job's) stands in for it.
+    With a seed, epoch ``e`` reads all packs in the order :func:`epoch_order` draws from ``(seed, e)``, and the
+    worker takes its :func:`interleave` of them: every worker draws the same order, so the workers together read
+    each pack once an epoch, and a resumed run reads the same order whatever its worker count. Without a seed
+    (evaluation), the packs are read as stored. ``iter_batches`` is the subset of Ray's
+    ``DataIterator.iter_batches`` that training uses, so a Ray Train dataset shard (a streamed job's, read in the
+    stream's order) stands in for it.
     """
 
-    def __init__(self, rows):
-        self.rows = rows
+    def __init__(self, table, rank: int = 0, world: int = 1):
+        self.table, self.rank, self.world = table, rank, world
 
-    def iter_batches(self, *, batch_size: int, batch_format: str = "pyarrow", drop_last: bool = False) -> Iterator:
-        """``pyarrow.Table`` batches of ``batch_size`` rows in order; the last, shorter one only without ``drop_last``."""
+    @property
+    def num_rows(self) -> int:
+        """Rows this worker reads an epoch."""
+        return self.table.num_rows // self.world
+
+    def epoch(self, epoch: int = 0, seed: int | None = None):
+        """This worker's rows of epoch ``epoch`` (a ``pyarrow.Table``), in the order it reads them."""
+        import pyarrow as pa
+
+        table = self.table
+        if seed is not None:
+            table = table.take(pa.array(epoch_order(table.num_rows, seed, epoch), pa.int64()))
+        return interleave(table, self.rank, self.world)
+
+    def iter_batches(
+        self,
+        *,
+        batch_size: int,
+        batch_format: str = "pyarrow",
+        drop_last: bool = False,
+        epoch: int = 0,
+        seed: int | None = None,
+    ) -> Iterator:
+        """``pyarrow.Table`` batches of ``batch_size`` rows of :meth:`epoch`; the last, shorter one only without
+        ``drop_last``."""
         if batch_format != "pyarrow":
             raise ValueError(f"PackShard yields pyarrow tables only, not {batch_format!r}")
-        end = self.rows.num_rows - (self.rows.num_rows % batch_size if drop_last else 0)
+        rows = self.epoch(epoch, seed)
+        end = rows.num_rows - (rows.num_rows % batch_size if drop_last else 0)
         for start in range(0, end, batch_size):
-            yield self.rows.slice(start, batch_size)
+            yield rows.slice(start, batch_size)

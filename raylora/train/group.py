@@ -26,6 +26,7 @@ worker holds the same members, reads its own shard of the rows, and each member'
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import shutil
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from raylora.backends import resolve_backend
 from raylora.config import JobConfig
 from raylora.data.collate import collate_packs
+from raylora.data.packs import PackShard
 from raylora.models import load_model, target_modules
 from raylora.ops.dropout import lora_dropout
 from raylora.ops.fused_lora import SharedDown, clear_siblings, siblings
@@ -110,8 +112,9 @@ class Group:
 
     Args:
         cfg: the job every member shares: model, data, backend, and the fixed row width ``data.cutoff_len``.
-        rows: this worker's training pack rows (``input_ids``, ``labels``, ``position_ids``, ``seq_lens``,
-            ``num_tokens``), in the order every member reads them.
+        shard: this worker's training packs (``input_ids``, ``labels``, ``position_ids``, ``seq_lens``,
+            ``num_tokens``); each member reads each epoch in the order its ``train.seed`` draws, as a Ray Train
+            worker does (:func:`raylora.train.loop.micro_batches`).
         eval_rows: the evaluation pack rows (every worker reads all of them), or ``None``.
         rank, world, local_rank: this worker's place among the group's workers (torch.distributed started when
             world > 1) and on its node (which device it uses).
@@ -123,7 +126,7 @@ class Group:
     def __init__(
         self,
         cfg: JobConfig,
-        rows: list[dict],
+        shard: PackShard,
         eval_rows: list[dict] | None,
         rank: int = 0,
         world: int = 1,
@@ -133,7 +136,8 @@ class Group:
         self.cfg = cfg
         self.backend = resolve_backend(cfg.backend)
         self.device = self.backend.torch_device(local_rank)
-        self.rows, self.eval_rows = rows, eval_rows or []
+        self.shard, self.eval_rows = shard, eval_rows or []
+        self._epoch_rows = functools.lru_cache(maxsize=4)(self._read_epoch)
         self.rank, self.world = rank, world
         self.base, tokenizer = load_model(cfg.model)
         self.base.requires_grad_(False).to(self.device)
@@ -317,16 +321,19 @@ class Group:
         m.bad_in_row = 0
         return Event(m.name, m.state.step, "running")
 
+    def _read_epoch(self, seed: int, epoch: int) -> list[dict]:
+        return self.shard.epoch(epoch, seed).to_pylist()
+
     def _next_rows(self, m: Member, position: tuple[int, int]) -> tuple[list[dict], tuple[int, int]]:
         """Member ``m``'s next micro-batch of this worker's rows after ``position`` (epoch, rows read by all workers)."""
         size = m.cfg.train.batch_size
         epoch, done = position
         start = done // self.world
-        if start + size > len(self.rows):
-            if len(self.rows) < size:
+        if start + size > self.shard.num_rows:
+            if self.shard.num_rows < size:
                 raise RuntimeError(f"this worker's data holds fewer than train.batch_size={size} sequences")
             epoch, start = epoch + 1, 0
-        return self.rows[start : start + size], (epoch, (start + size) * self.world)
+        return self._epoch_rows(m.cfg.train.seed, epoch)[start : start + size], (epoch, (start + size) * self.world)
 
     def _train_step(self, members: list[Member]) -> dict[str, tuple[float, int, float, tuple[int, int]]]:
         """Forward and backward of every member's micro-batches together, then each member's optimizer step.

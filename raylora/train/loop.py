@@ -29,7 +29,7 @@ from raylora.comm.hooks import CommHook, bytes_sent, check_hook
 from raylora.comm.overlap import finish_trace, start_trace
 from raylora.config import TrainArgs, from_dict
 from raylora.data.collate import collate_packs
-from raylora.data.packs import worker_share
+from raylora.data.packs import PackShard, worker_share
 from raylora.models import attach_lora, load_model
 from raylora.ops.linear_ce import IGNORE_INDEX
 from raylora.tracking import metric_logger, set_tags
@@ -91,7 +91,9 @@ def train_worker(config: dict) -> dict:
     last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
     log_metrics = metric_logger(config["tracking_uri"], config["run_id"], rank)
     eval_shard = data_shard(config, "eval", 0, 1) if "eval" in config["datasets"] else None
-    batches = micro_batches(data_shard(config, "train", rank, world), cfg.train.batch_size, state, world)
+    batches = micro_batches(
+        data_shard(config, "train", rank, world), cfg.train.batch_size, state, world, cfg.train.seed
+    )
     mask_dtype = backend.amp_dtype or model.dtype
     if rank == 0:
         say("training path: " + "; ".join(notes))
@@ -253,17 +255,20 @@ def data_shard(config: dict, name: str, rank: int, world: int):
 
 
 def micro_batches(
-    shard, batch_size: int, state: TrainState, world: int
+    shard, batch_size: int, state: TrainState, world: int, seed: int
 ) -> Iterator[tuple[list[dict], tuple[int, int]]]:
     """Micro-batches of pack rows, epoch after epoch, starting at the position in ``state``.
 
-    Yields ``(rows, (epoch, rows consumed in the epoch by all workers))``. A resumed run skips
-    ``state.rows_in_epoch`` rows of the epoch in total, whatever the number of workers that wrote it.
+    Prepared packs (a :class:`~raylora.data.packs.PackShard`) are read in each epoch's order drawn from
+    ``seed``; a streamed shard in the stream's order. Yields ``(rows, (epoch, rows consumed in the epoch by all
+    workers))``. A resumed run skips ``state.rows_in_epoch`` rows of the epoch in total, whatever the number
+    of workers that wrote it.
     """
     epoch, skip = state.epoch, state.rows_in_epoch // (batch_size * world)
     while True:
         index = 0
-        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", drop_last=True):
+        order = {"epoch": epoch, "seed": seed} if isinstance(shard, PackShard) else {}
+        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", drop_last=True, **order):
             index += 1
             if skip:
                 skip -= 1

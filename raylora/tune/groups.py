@@ -319,11 +319,11 @@ class GroupWorker:
             import torch.distributed as dist
 
             dist.init_process_group(dist_backend, init_method=f"file://{store}", rank=rank, world_size=world)
-        rows = worker_share(train, rank, world).rows.to_pylist()
+        shard = worker_share(train, rank, world)
         evaluation = read_packs(evaluation).to_pylist() if evaluation is not None else None
-        self.group = Group(cfg, rows, evaluation, rank=rank, world=world)
+        self.group = Group(cfg, shard, evaluation, rank=rank, world=world)
         info = {"group": index, "rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.group.device), "rows": len(rows), "lanes": self.group.lanes}  # fmt: skip
+                "device": str(self.group.device), "rows": shard.num_rows, "lanes": self.group.lanes}  # fmt: skip
         (Path(store).parent / f"group{index}.rank{rank}.json").write_text(json.dumps(info))
 
     def run(self, broker, index: int, generation: int) -> int:

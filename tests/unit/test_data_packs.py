@@ -1,7 +1,7 @@
 import pyarrow as pa
 import pytest
 
-from raylora.data.packs import PackShard, interleave
+from raylora.data.packs import PackShard, epoch_order, interleave
 
 
 def table(n: int) -> pa.Table:
@@ -17,7 +17,7 @@ def test_workers_read_interleaved_equal_shares_that_together_are_one_workers_row
     def batches(shard, size):
         return [b.column("num_tokens").to_pylist() for b in shard.iter_batches(batch_size=size, drop_last=True)]
 
-    worker0, worker1 = (batches(PackShard(interleave(rows, rank, 2)), 2) for rank in range(2))
+    worker0, worker1 = (batches(PackShard(rows, rank, 2), 2) for rank in range(2))
     two_workers = [sorted(a + b) for a, b in zip(worker0, worker1, strict=True)]
     one_worker = [
         b.column("num_tokens").to_pylist() for b in PackShard(rows).iter_batches(batch_size=4, drop_last=True)
@@ -32,3 +32,24 @@ def test_batches_keep_order_and_drop_the_short_last_one_only_when_asked():
     assert next(shard.iter_batches(batch_size=2)).to_pylist() == table(2).to_pylist()
     with pytest.raises(ValueError, match="pyarrow tables only"):
         next(shard.iter_batches(batch_size=2, batch_format="numpy"))
+
+
+def test_each_epoch_reads_every_pack_once_in_an_order_drawn_from_the_seed_whatever_the_worker_count():
+    """Packs are written longest first; training reads each epoch in a seeded order of its own. Two workers with
+    micro-batch 2 read together what one worker with micro-batch 4 reads, so a resumed run with another worker
+    count continues the same order."""
+    rows = table(40)
+
+    def batches(shard, size, epoch, seed):
+        return [b.column("num_tokens").to_pylist() for b in shard.iter_batches(batch_size=size, epoch=epoch, seed=seed)]
+
+    one = {epoch: batches(PackShard(rows), 4, epoch, seed=7) for epoch in (0, 1)}
+    for epoch in (0, 1):
+        read = [n for batch in one[epoch] for n in batch]
+        assert sorted(read) == list(range(40)) and read == epoch_order(40, 7, epoch)
+        pair = [batches(PackShard(rows, rank, 2), 2, epoch, seed=7) for rank in range(2)]
+        assert [sorted(a + b) for a, b in zip(*pair, strict=True)] == [sorted(b) for b in one[epoch]]
+    assert one[0] != one[1] and one[0] != batches(PackShard(rows), 4, 0, seed=8)
+    assert one[0] == batches(PackShard(rows), 4, 0, seed=7)
+    assert one[0][0] != [0, 1, 2, 3]
+    assert [n for b in batches(PackShard(rows), 4, 3, seed=None) for n in b] == list(range(40))

@@ -154,3 +154,23 @@ def test_ray_train_per_step_report_line_is_silenced():
 
     quiet_report_logs()
     assert not context.logger.isEnabledFor(logging.INFO) and context.logger.isEnabledFor(logging.WARNING)
+
+
+def test_micro_batches_read_each_epoch_in_its_seeded_order_and_resume_where_the_run_stopped():
+    """Prepared packs are written longest first; a worker reads each epoch in the order drawn from train.seed, on
+    into the next epoch, and a run resumed from a checkpoint's position reads on from the same pack."""
+    import pyarrow as pa
+
+    from raylora.data.packs import PackShard, epoch_order
+    from raylora.train.checkpoint import TrainState
+    from raylora.train.loop import micro_batches
+
+    shard = PackShard(pa.table({"num_tokens": list(range(10))}))
+    batches = micro_batches(shard, 2, TrainState(), 1, seed=3)
+    read = [next(batches) for _ in range(7)]
+    ids = [row["num_tokens"] for rows, _ in read for row in rows]
+    assert ids == epoch_order(10, 3, 0) + epoch_order(10, 3, 1)[:4] and ids[:10] != list(range(10))
+    assert [position for _, position in read] == [(0, 2), (0, 4), (0, 6), (0, 8), (0, 10), (1, 2), (1, 4)]
+    state = TrainState()
+    state.epoch, state.rows_in_epoch = read[5][1]
+    assert next(micro_batches(shard, 2, state, 1, seed=3)) == read[6]
