@@ -6,7 +6,12 @@ reads the (B, 1, T, T) block mask. Both take forward + backward steps on the sam
 rows of 3 and 4 examples (170/150/180 and 200/120/100/60 tokens, random ids), alternating, 2 torch threads.
 Medians of ``--steps`` steps after one warm-up are printed with the ratio.
 
-    .venv/bin/python bench/packed_attention.py [--steps 6]
+``--kernels``: one example's causal attention alone, forward + backward, bf16, SmolLM2's 9 query heads over 3
+key/value heads of 64, 2 threads, at 32 to 512 tokens: our CPU kernel (``CausalAttention``) against sdpa's 3-D
+call with grouped heads (math kernel) and its 4-D call with repeated key/value heads (flash kernel), median of
+10 runs after two warm-ups each, with each one's relative error against the fp32 result.
+
+    .venv/bin/python bench/packed_attention.py [--steps 6] [--kernels]
 """
 
 from __future__ import annotations
@@ -56,11 +61,57 @@ def _model(backend, packed: bool):
         return training_model(model, TrainArgs(), backend)
 
 
+def kernels() -> None:
+    import torch.nn.functional as F
+
+    from raylora.ops.packed_attention import CausalAttention
+
+    def flash(q, k, v, scale):
+        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], 0) for t in (k, v))
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
+
+    paths = {
+        "ours (CausalAttention)": CausalAttention.apply,
+        "sdpa 3-D, grouped heads": lambda q, k, v, s: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=s, enable_gqa=True
+        ),
+        "sdpa 4-D, flash": flash,
+    }
+
+    def run(path, inputs, grad, dtype, repeats):
+        xs = [x.to(dtype).requires_grad_() for x in inputs]
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            out = path(*xs, 0.125)
+            grads = torch.autograd.grad(out, xs, grad.to(dtype))
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[2:]), [t.float() for t in (out, *grads)]
+
+    for n in (32, 64, 128, 256, 384, 512):
+        gen = torch.Generator().manual_seed(n)
+        inputs = [torch.randn(h, n, 64, generator=gen) for h in (9, 3, 3)]
+        grad = torch.randn(9, n, 64, generator=gen)
+        _, exact = run(flash, inputs, grad, torch.float32, 3)
+        figures = {}
+        for name, path in paths.items():
+            seconds, got = run(path, inputs, grad, torch.bfloat16, 12)
+            error = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, exact, strict=True))
+            figures[name] = seconds
+            print(f"{n} tokens, {name}: {seconds * 1e3:.2f} ms, relative error {error:.4f}")
+        faster = min(v for k, v in figures.items() if k.startswith("sdpa"))
+        print(f"{n} tokens: ours {faster / figures['ours (CausalAttention)']:.2f}x the faster sdpa kernel")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--kernels", action="store_true", help="one example's attention kernels alone")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.kernels:
+        kernels()
+        return
     backend = resolve_backend(BackendArgs(device="cpu", precision="bf16"))
     models = {"sdpa over the block mask (baseline)": _model(backend, False), "packed attention": _model(backend, True)}
     for name, (_, notes) in models.items():

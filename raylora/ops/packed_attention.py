@@ -4,7 +4,8 @@ A pack row holds several examples. The block-causal 4D mask of :mod:`raylora.dat
 exactly its own logits, but sdpa then computes the whole T x T square of every row and masks most of it. Given
 the examples' boundaries over the flattened ``(B*T)`` tokens (flash-attention's ``cu_seqlens``, from
 :func:`raylora.data.collate.segment_bounds`), each example's causal attention runs on its own: the work is the
-sum of n_i^2 / 2 instead of T^2, and sdpa's causal kernel needs no mask. The math is the same; only the summation order differs. A row's padding is one more causal
+sum of n_i^2 / 2 instead of T^2, and a causal kernel needs no mask (on CPU our own, :class:`CausalAttention`;
+elsewhere sdpa's). The math is the same; only the summation order differs. A row's padding is one more causal
 segment whose outputs nothing reads (its labels are ignored and it comes after every example of its row).
 
 The function is registered with transformers' ``AttentionInterface`` under :data:`NAME`; without boundaries
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 NAME = "raylora_packed"
-FLASH_FROM = 256  # example length (tokens) from which attend() takes sdpa's 4-D (flash) path
+FLASH_FROM = 256  # example length (tokens) from which sdpa_attend() takes sdpa's 4-D (flash) path
 
 
 def packed_attention(
@@ -57,15 +58,62 @@ def packed_attention(
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Causal attention of one example: q (H, n, D), k and v (H_kv, n, D) -> (H, n, D).
 
-    Below :data:`FLASH_FROM` tokens the 3-D call (sdpa's math kernel, grouped heads) is the faster one on CPU;
-    from there the 4-D call with repeated key/value heads (the flash kernel). Measured forward + backward on 2
-    cores, SmolLM2's 9 / 3 heads of 64, bf16: 128 tokens 1.5 against 2.4 ms, 256 5.6 / 5.3, 512 26.0 / 17.2.
+    On CPU, :class:`CausalAttention` (batched matrix products); elsewhere :func:`sdpa_attend`: below
+    :data:`FLASH_FROM` tokens sdpa's 3-D call (math kernel, grouped heads), from there its 4-D call with repeated
+    key/value heads (flash).
     """
+    if q.device.type == "cpu":
+        return CausalAttention.apply(q, k, v, q.shape[-1] ** -0.5 if scaling is None else scaling)
+    return sdpa_attend(q, k, v, scaling)
+
+
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """:func:`attend` through sdpa's causal kernels (the path off the CPU)."""
     heads = q.shape[0]
     if q.shape[1] < FLASH_FROM:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[0] != heads)
     k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
     return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling)[0]
+
+
+class CausalAttention(torch.autograd.Function):
+    """Causal attention of one example in four batched matrix products, for the CPU.
+
+    The query heads that share a key/value head are stacked, so one ``bmm`` per key head scores them all (no
+    repeated keys). Under autocast the products run in its dtype, as sdpa's would. Scores and softmax are fp32; the probabilities are kept in the inputs' dtype for the
+    backward, which computes ``dS = P * (dP - rowsum(dO * O))`` itself. sdpa's CPU kernels, measured forward +
+    backward on 2 cores, SmolLM2's 9 / 3 heads of 64, bf16 (``bench/packed_attention.py --kernels``): 1.6-2.0x
+    slower at 32 to 512 tokens. The cost is memory: the probabilities, (H, n, n) per example and layer, are held
+    until the backward (4.7 MB for 512 tokens in bf16), where the flash kernel keeps one value per row.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.dtypes = q.dtype, k.dtype, v.dtype
+        kind = q.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        kv_heads, n, dim = k.shape
+        stacked = q.reshape(kv_heads, -1, dim)  # (H_kv, group * n, D): the group's heads one after another
+        scores = torch.bmm(stacked, k.transpose(1, 2)).view(kv_heads, -1, n, n).float().mul_(scale)
+        scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        probs = scores.softmax(-1).to(q.dtype).view(kv_heads, -1, n)
+        out = torch.bmm(probs, v)
+        ctx.save_for_backward(stacked, k, v, probs, out)
+        ctx.scale = scale
+        return out.view(q.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        stacked, k, v, probs, out = ctx.saved_tensors
+        grad_out = grad_out.reshape(out.shape).to(out.dtype)
+        grad_v = torch.bmm(probs.transpose(1, 2), grad_out)
+        rows = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+        grad_scores = torch.bmm(grad_out, v.transpose(1, 2)).float().sub_(rows).mul_(probs).mul_(ctx.scale)
+        grad_scores = grad_scores.to(stacked.dtype)
+        grad_q = torch.bmm(grad_scores, k).view(-1, k.shape[1], k.shape[2])
+        grad_k = torch.bmm(grad_scores.transpose(1, 2), stacked)
+        return *(g.to(t) for g, t in zip((grad_q, grad_k, grad_v), ctx.dtypes, strict=True)), None
 
 
 def use_packed_attention(model: nn.Module) -> bool:
