@@ -58,13 +58,20 @@ def _cfg(model: str, width: int, targets: str, rank: int, recompute: int):
 
 def child(args) -> None:
     """One run: a group of ``args.child`` members, its step times, peak RSS and (``--profile``) top operators."""
+    import pyarrow as pa
     import torch
 
+    from raylora.data.packs import PackShard
     from raylora.train.group import Group
 
     torch.set_num_threads(args.threads)
     recompute = args.recompute[0]
-    group = Group(_cfg(args.model, args.width, args.targets, 4, recompute), _rows(args.width), None, lanes=args.lane)
+    group = Group(
+        _cfg(args.model, args.width, args.targets, 4, recompute),
+        PackShard(pa.Table.from_pylist(_rows(args.width))),
+        None,
+        lanes=args.lane,
+    )
     for i in range(args.child):
         group.join(f"m{i}", _cfg(args.model, args.width, args.targets, (4, 16)[i % 2], recompute))
     times = []

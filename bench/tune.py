@@ -61,17 +61,23 @@ def main() -> None:
         full = run(Path(tmp), "none", "none", args.steps)
         fixed = [f"{k}={v}" for k, v in full["best"]["config"].items()]
         seeds = run(Path(tmp), "seeds", "none", args.steps, "tune.space={train.seed: {grid: [1, 2, 3]}}", *fixed)
-    print(f"tiny Llama, 8 trials (rank 4/16 x lr 3e-2/1e-2/1e-3/1e-4), {args.steps} steps each, 2 trials at a time, 2 cores")
+    print(
+        f"tiny Llama, 8 trials (rank 4/16 x lr 3e-2/1e-2/1e-3/1e-4), {args.steps} steps each, 2 trials at a time, 2 cores"
+    )
     for name, r in (("ASHA", asha), ("no scheduler", full)):
         best = ", ".join(f"{k}={v}" for k, v in r["best"]["config"].items())
         print(f"{name:13s} {r['seconds']:6.1f} s  stopped {r['stopped']}/8  steps run {r['steps']:3d}  "
               f"best eval_loss {r['best']['metric']:.4f} ({best})")  # fmt: skip
-    print(f"wall time ratio (no scheduler / ASHA): {full['seconds'] / asha['seconds']:.2f}x; "
-          f"best eval_loss difference {asha['best']['metric'] - full['best']['metric']:+.4f}")
+    print(
+        f"wall time ratio (no scheduler / ASHA): {full['seconds'] / asha['seconds']:.2f}x; "
+        f"best eval_loss difference {asha['best']['metric'] - full['best']['metric']:+.4f}"
+    )
     spread = seeds["metrics"] + [full["best"]["metric"]]
-    print(f"noise: the no-scheduler best ({', '.join(fixed)}) with the sweep's seed and train.seed 1, 2, 3: eval_loss "
-          f"{min(spread):.4f} to {max(spread):.4f} (spread {max(spread) - min(spread):.4f}, "
-          f"{(max(spread) - min(spread)) / min(spread):.1%})")
+    print(
+        f"noise: the no-scheduler best ({', '.join(fixed)}) with the sweep's seed and train.seed 1, 2, 3: eval_loss "
+        f"{min(spread):.4f} to {max(spread):.4f} (spread {max(spread) - min(spread):.4f}, "
+        f"{(max(spread) - min(spread)) / min(spread):.1%})"
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ equal share of them. A streamed job (``data.streaming``) still hands Ray Train a
 
 from __future__ import annotations
 
-import random
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,9 +56,12 @@ def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
     """The order in which epoch ``epoch`` reads ``count`` packs: a permutation drawn from ``(seed, epoch)`` alone.
 
     Packing writes each shard longest examples first (best-fit decreasing), so read as stored a run would
-    train on its longest examples first and its shortest last.
+    train on its longest examples first and its shortest last. Each pack's place comes from a hash of
+    ``(seed, epoch, pack)``, so the order stays the same across Python and library versions (a resumed run
+    reads on in it).
     """
-    return random.Random(f"packs/{seed}/{epoch}").sample(range(count), count)
+    key = f"{seed}/{epoch}/".encode()
+    return sorted(range(count), key=lambda i: hashlib.blake2b(key + str(i).encode(), digest_size=8).digest())
 
 
 def interleave(table, rank: int, world: int):
@@ -97,10 +100,14 @@ class PackShard:
         """This worker's rows of epoch ``epoch`` (a ``pyarrow.Table``), in the order it reads them."""
         import pyarrow as pa
 
-        table = self.table
-        if seed is not None:
-            table = table.take(pa.array(epoch_order(table.num_rows, seed, epoch), pa.int64()))
-        return interleave(table, self.rank, self.world)
+        return self.table.take(pa.array(self.indices(epoch, seed), pa.int64()))
+
+    def indices(self, epoch: int = 0, seed: int | None = None) -> list[int]:
+        """Which rows of the table this worker reads in epoch ``epoch``, in order: every ``world``-th of the epoch's
+        order from ``rank`` on (:func:`interleave`'s rows of the table in that order)."""
+        count = self.table.num_rows
+        order = range(count) if seed is None else epoch_order(count, seed, epoch)
+        return list(order[self.rank : self.num_rows * self.world : self.world])
 
     def iter_batches(
         self,

@@ -20,6 +20,7 @@ from torch import nn
 
 NAME = "raylora_packed"
 FLASH_FROM = 256  # example length (tokens) from which sdpa_attend() takes sdpa's 4-D (flash) path
+OURS_UP_TO = 512  # longest example (tokens) that CausalAttention takes on CPU: it holds (H, n, n) per example
 
 
 def packed_attention(
@@ -58,11 +59,11 @@ def packed_attention(
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Causal attention of one example: q (H, n, D), k and v (H_kv, n, D) -> (H, n, D).
 
-    On CPU, :class:`CausalAttention` (batched matrix products); elsewhere :func:`sdpa_attend`: below
-    :data:`FLASH_FROM` tokens sdpa's 3-D call (math kernel, grouped heads), from there its 4-D call with repeated
-    key/value heads (flash).
+    On CPU up to :data:`OURS_UP_TO` tokens, :class:`CausalAttention` (batched matrix products); otherwise
+    :func:`sdpa_attend`: below :data:`FLASH_FROM` tokens sdpa's 3-D call (math kernel, grouped heads), from there
+    its 4-D call with repeated key/value heads (flash, which holds one value per row for the backward).
     """
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and q.shape[1] <= OURS_UP_TO:
         return CausalAttention.apply(q, k, v, q.shape[-1] ** -0.5 if scaling is None else scaling)
     return sdpa_attend(q, k, v, scaling)
 
@@ -77,14 +78,16 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: floa
 
 
 class CausalAttention(torch.autograd.Function):
-    """Causal attention of one example in four batched matrix products, for the CPU.
+    """Causal attention of one example in batched matrix products (two forward, four backward), for the CPU.
 
     The query heads that share a key/value head are stacked, so one ``bmm`` per key head scores them all (no
-    repeated keys). Under autocast the products run in its dtype, as sdpa's would. Scores and softmax are fp32; the probabilities are kept in the inputs' dtype for the
-    backward, which computes ``dS = P * (dP - rowsum(dO * O))`` itself. sdpa's CPU kernels, measured forward +
-    backward on 2 cores, SmolLM2's 9 / 3 heads of 64, bf16 (``bench/packed_attention.py --kernels``): 1.6-2.0x
-    slower at 32 to 512 tokens. The cost is memory: the probabilities, (H, n, n) per example and layer, are held
-    until the backward (4.7 MB for 512 tokens in bf16), where the flash kernel keeps one value per row.
+    repeated keys). Under autocast the products run in its dtype, as sdpa's would. Scores and softmax are fp32;
+    the probabilities are kept in the products' dtype for the backward, which computes
+    ``dS = P * (dP - rowsum(dO * O))`` itself. Against sdpa's CPU kernels, forward + backward on 2 cores, SmolLM2's
+    9 / 3 heads of 64, bf16 (``bench/packed_attention.py --kernels``): 1.2-1.9x faster at 32 to 512 tokens. The
+    cost is memory: the probabilities, (H, n, n) per example and layer, are held until the backward (4.7 MB at
+    512 tokens in bf16, 30 layers: 141 MB), where the flash kernel keeps one value per row; hence
+    :data:`OURS_UP_TO`.
     """
 
     @staticmethod

@@ -137,7 +137,7 @@ class Group:
         self.backend = resolve_backend(cfg.backend)
         self.device = self.backend.torch_device(local_rank)
         self.shard, self.eval_rows = shard, eval_rows or []
-        self._epoch_rows = functools.lru_cache(maxsize=4)(self._read_epoch)
+        self._epoch_indices = functools.lru_cache(maxsize=16)(self.shard.indices)
         self.rank, self.world = rank, world
         self.base, tokenizer = load_model(cfg.model)
         self.base.requires_grad_(False).to(self.device)
@@ -321,9 +321,6 @@ class Group:
         m.bad_in_row = 0
         return Event(m.name, m.state.step, "running")
 
-    def _read_epoch(self, seed: int, epoch: int) -> list[dict]:
-        return self.shard.epoch(epoch, seed).to_pylist()
-
     def _next_rows(self, m: Member, position: tuple[int, int]) -> tuple[list[dict], tuple[int, int]]:
         """Member ``m``'s next micro-batch of this worker's rows after ``position`` (epoch, rows read by all workers)."""
         size = m.cfg.train.batch_size
@@ -333,7 +330,8 @@ class Group:
             if self.shard.num_rows < size:
                 raise RuntimeError(f"this worker's data holds fewer than train.batch_size={size} sequences")
             epoch, start = epoch + 1, 0
-        return self._epoch_rows(m.cfg.train.seed, epoch)[start : start + size], (epoch, (start + size) * self.world)
+        rows = self._epoch_indices(epoch, m.cfg.train.seed)[start : start + size]
+        return self.shard.table.take(rows).to_pylist(), (epoch, (start + size) * self.world)
 
     def _train_step(self, members: list[Member]) -> dict[str, tuple[float, int, float, tuple[int, int]]]:
         """Forward and backward of every member's micro-batches together, then each member's optimizer step.

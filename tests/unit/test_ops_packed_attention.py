@@ -110,7 +110,7 @@ def _causal_reference(q, k, v, scale):
     return scores.softmax(-1) @ v.repeat_interleave(group, 0)
 
 
-@pytest.mark.parametrize("n", [1, packed.FLASH_FROM - 1, packed.FLASH_FROM + 40])
+@pytest.mark.parametrize("n", [1, packed.FLASH_FROM - 1, packed.FLASH_FROM + 40, packed.OURS_UP_TO + 1])
 @pytest.mark.parametrize("kernel", ["ours", "sdpa"])
 def test_each_kernel_gives_each_example_its_causal_attention_and_gradients(kernel, n):
     """fp32 at 1e-5: our CPU kernel (:class:`CausalAttention`) and sdpa's two paths against the plain formula."""
@@ -144,3 +144,14 @@ def test_our_kernel_in_bf16_errs_about_as_much_as_sdpa_s():
     ):
         error = (ours - truth).norm() / truth.norm()
         assert error <= 1.25 * (sdpa - truth).norm() / truth.norm() + 1e-3
+
+
+def test_examples_longer_than_our_kernel_takes_go_to_sdpa_s_flash_kernel(monkeypatch):
+    """Our kernel holds (H, n, n) probabilities per example for the backward; past OURS_UP_TO tokens the CPU takes
+    sdpa's flash path, which holds one value per row."""
+    used = []
+    monkeypatch.setattr(packed.CausalAttention, "apply", lambda *args: used.append("ours") or _causal_reference(*args))
+    for n in (packed.OURS_UP_TO, packed.OURS_UP_TO + 1):
+        q, k, v = (torch.randn(h, n, 8) for h in (4, 2, 2))
+        torch.testing.assert_close(packed.attend(q, k, v, 0.3), _causal_reference(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
+    assert used == ["ours"]
