@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylora.backends import Backend, resolve_backend
 from raylora.backends.base import PROFILE_STEPS
+from raylora.cluster import normal_priority
 from raylora.comm.hooks import CommHook, bytes_sent, check_hook
 from raylora.comm.overlap import finish_trace, start_trace
 from raylora.config import TrainArgs, from_dict
@@ -47,6 +48,7 @@ def train_worker(config: dict) -> dict:
     ``diverged``), ``step``, ``resumed_from`` and ``skipped_steps``.
     """
     cfg = from_dict(config["cfg"])
+    priority = normal_priority()  # before torch starts its intra-op threads, which take this thread's niceness
     quiet_report_logs()
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -63,6 +65,7 @@ def train_worker(config: dict) -> dict:
     model, tokenizer = load_model(cfg.model)
     model = attach_lora(model, cfg.lora).to(device).train()
     loss_model, notes = training_model(model, cfg.train, backend)
+    notes.append(priority)
     optimizer = build_optimizer(model, cfg.train, backend)
     lr_scale = [1.0]
     scheduler = build_scheduler(optimizer, cfg.train, lr_scale)

@@ -301,7 +301,7 @@ class GroupWorker:
             ``None``).
         index, rank, world, store, dist_backend: the group's index, this worker's rank, the group's worker count,
             the store file (``<output_dir>/groups/group<index>.store``; each worker writes
-            ``group<index>.rank<rank>.json`` beside it: host, pid, device, rows, lanes), the torch.distributed
+            ``group<index>.rank<rank>.json`` beside it: host, pid, device, rows, lanes, niceness), the torch.distributed
             backend.
     """
 
@@ -311,8 +311,10 @@ class GroupWorker:
 
         import torch
 
+        from raylora.cluster import normal_priority
         from raylora.train.group import Group
 
+        priority = normal_priority()  # before torch starts its intra-op threads and the group its lanes
         cfg = from_dict(job)
         torch.set_num_threads(max(1, math.ceil(cfg.train.cpus_per_worker)))
         if world > 1:
@@ -323,7 +325,7 @@ class GroupWorker:
         evaluation = read_packs(evaluation).to_pylist() if evaluation is not None else None
         self.group = Group(cfg, shard, evaluation, rank=rank, world=world)
         info = {"group": index, "rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.group.device), "rows": shard.num_rows, "lanes": self.group.lanes}  # fmt: skip
+                "device": str(self.group.device), "rows": shard.num_rows, "lanes": self.group.lanes, "priority": priority}  # fmt: skip
         (Path(store).parent / f"group{index}.rank{rank}.json").write_text(json.dumps(info))
 
     def run(self, broker, index: int, generation: int) -> int:
