@@ -128,7 +128,7 @@ class TrainArgs:
     weight_decay: float = _f(0.0, help="AdamW weight decay", min=0.0)
     adam_eps: float = _f(1e-8, help="AdamW epsilon (raised to 1e-6 under fp16)", gt=0)
     max_grad_norm: float = _f(1.0, help="gradient clipping norm (0 disables)", min=0.0)
-    seed: int = _f(42, help="random seed")
+    seed: int = _f(42, help="random seed: LoRA init, dropout and each epoch's order of the packs")
     num_workers: int = _f(1, help="Ray Train workers (one per device)", min=1)
     cpus_per_worker: float = _f(1.0, help="CPUs Ray reserves per worker", gt=0)
     log_every: int = _f(1, help="steps between progress lines and MLflow metrics", min=1)

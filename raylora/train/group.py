@@ -11,7 +11,8 @@ member → one forward: each base linear runs once over all rows, and each adapt
 rows only, that member's LoRA → each member's loss over its own rows → one backward → each member clips, checks
 and steps its own optimizer. The base is frozen, so no gradient is summed over rows: member m's gradients are
 exactly those of its own loss, and a member that joins or leaves changes nothing in the others' numbers (rows are
-padded to one fixed width, ``data.cutoff_len``, for that).
+padded to one fixed width, ``data.cutoff_len``, for that): bit for bit in one lane; in lanes, up to the rounding
+of kernels that run on another number of threads when the members change.
 
 On CPU, a step of several members runs in lanes: the members are split into as many parts as the worker has
 intra-op threads, and each part's forwards and backwards run on its own Python thread with its share of those
