@@ -81,13 +81,13 @@ class CausalAttention(torch.autograd.Function):
     """Causal attention of one example in batched matrix products (two forward, four backward), for the CPU.
 
     The query heads that share a key/value head are stacked, so one ``bmm`` per key head scores them all (no
-    repeated keys). Under autocast the products run in its dtype, as sdpa's would. Scores and softmax are fp32;
-    the probabilities are kept in the products' dtype for the backward, which computes
-    ``dS = P * (dP - rowsum(dO * O))`` itself. Against sdpa's CPU kernels, forward + backward on 2 cores, SmolLM2's
-    9 / 3 heads of 64, bf16 (``bench/packed_attention.py --kernels``): 1.2-1.9x faster at 32 to 512 tokens. The
-    cost is memory: the probabilities, (H, n, n) per example and layer, are held until the backward (4.7 MB at
-    512 tokens in bf16, 30 layers: 141 MB), where the flash kernel keeps one value per row; hence
-    :data:`OURS_UP_TO`.
+    repeated keys). Under autocast the products run in its dtype, as sdpa's would; scores, probabilities and their
+    gradients stay in that dtype, and softmax and its backward (``dS = P * (dP - rowsum(dP * P))``, aten's own
+    ``_softmax_backward_data``, the op autograd runs for softmax) accumulate in fp32 inside, so no fp32 copy of
+    the (H, n, n) scores is made. Against sdpa's CPU kernels, forward + backward on 2 cores, SmolLM2's 9 / 3
+    heads of 64, bf16: see ``bench/packed_attention.py --kernels``. The cost is memory: the probabilities,
+    (H, n, n) per example and layer, are held until the backward (4.7 MB at 512 tokens in bf16, 30 layers:
+    141 MB), where the flash kernel keeps one value per row; hence :data:`OURS_UP_TO`.
     """
 
     @staticmethod
@@ -98,22 +98,20 @@ class CausalAttention(torch.autograd.Function):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         kv_heads, n, dim = k.shape
         stacked = q.reshape(kv_heads, -1, dim)  # (H_kv, group * n, D): the group's heads one after another
-        scores = torch.bmm(stacked, k.transpose(1, 2)).view(kv_heads, -1, n, n).float().mul_(scale)
+        scores = torch.bmm(stacked, k.transpose(1, 2)).view(kv_heads, -1, n, n).mul_(scale)
         scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype).view(kv_heads, -1, n)
-        out = torch.bmm(probs, v)
-        ctx.save_for_backward(stacked, k, v, probs, out)
+        probs = scores.softmax(-1).view(kv_heads, -1, n)
+        ctx.save_for_backward(stacked, k, v, probs)
         ctx.scale = scale
-        return out.view(q.shape)
+        return torch.bmm(probs, v).view(q.shape)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        stacked, k, v, probs, out = ctx.saved_tensors
-        grad_out = grad_out.reshape(out.shape).to(out.dtype)
+        stacked, k, v, probs = ctx.saved_tensors
+        grad_out = grad_out.reshape(stacked.shape).to(probs.dtype)
         grad_v = torch.bmm(probs.transpose(1, 2), grad_out)
-        rows = (grad_out.float() * out.float()).sum(-1, keepdim=True)
-        grad_scores = torch.bmm(grad_out, v.transpose(1, 2)).float().sub_(rows).mul_(probs).mul_(ctx.scale)
-        grad_scores = grad_scores.to(stacked.dtype)
+        grad_probs = torch.bmm(grad_out, v.transpose(1, 2))
+        grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype).mul_(ctx.scale)
         grad_q = torch.bmm(grad_scores, k).view(-1, k.shape[1], k.shape[2])
         grad_k = torch.bmm(grad_scores.transpose(1, 2), stacked)
         return *(g.to(t) for g, t in zip((grad_q, grad_k, grad_v), ctx.dtypes, strict=True)), None

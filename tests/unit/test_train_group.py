@@ -281,7 +281,9 @@ def _ddp_member(rank: int, folder: str) -> None:
 def test_two_workers_all_reduce_each_members_gradients(tmp_path):
     """Two gloo workers, each reading its interleaved half of each epoch's rows and running its members in two lanes,
     train each member as one worker reading both halves' micro-batches together at twice the batch size (loss rel
-    1e-5, weights 1e-5)."""
+    1e-5, weights 1e-4: the two halves' gradients are summed in another order, and Adam divides each element by
+    its own running scale, so where a gradient is near zero it turns that rounding into a visible step; a missing
+    or misscaled all-reduce moves weights by about the learning rate, 1e-2 to 3e-2 here)."""
     run_two_ranks(_ddp_member, str(tmp_path))
     pair = torch.load(tmp_path / "result.pt")
     one = Group(_cfg(), _shard(_rows()), None)
@@ -291,7 +293,7 @@ def test_two_workers_all_reduce_each_members_gradients(tmp_path):
     for name in ("ma", "mb"):
         assert pair["losses"][name] == pytest.approx(losses[name], rel=1e-5)
         for key, value in _weights(one.model, name).items():
-            torch.testing.assert_close(pair[name][key], value, atol=1e-5, rtol=1e-5, msg=f"{name} {key}")
+            torch.testing.assert_close(pair[name][key], value, atol=1e-4, rtol=1e-4, msg=f"{name} {key}")
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
