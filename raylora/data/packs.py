@@ -64,25 +64,15 @@ def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
     return sorted(range(count), key=lambda i: hashlib.blake2b(key + str(i).encode(), digest_size=8).digest())
 
 
-def interleave(table, rank: int, world: int):
-    """Rows ``rank, rank + world, rank + 2·world, ...`` of ``table``, the same count for every rank.
-
-    Interleaved, so that ``world`` workers with micro-batch ``b`` read together the rows one worker with
-    micro-batch ``world·b`` reads, and a run resumes with another worker count at the same place. The
-    ``num_rows % world`` last rows are left out, as Ray's equal split does.
-    """
-    import pyarrow as pa
-
-    share = table.num_rows // world
-    return table.take(pa.array(range(rank, share * world, world), pa.int64()))
-
-
 class PackShard:
     """Worker ``rank`` of ``world``'s rows of ``table`` (all the packs), epoch by epoch.
 
     With a seed, epoch ``e`` reads all packs in the order :func:`epoch_order` draws from ``(seed, e)``, and the
-    worker takes its :func:`interleave` of them: every worker draws the same order, so the workers together read
-    each pack once an epoch, and a resumed run reads the same order whatever its worker count. Without a seed
+    worker takes every ``world``-th of them from ``rank`` on: every worker draws the same order, so the workers
+    together read each pack once an epoch, ``world`` workers with micro-batch ``b`` read together what one worker
+    with micro-batch ``world·b`` reads, and a resumed run reads on in the same order whatever its worker count.
+    The ``num_rows % world`` last packs of the order are left out, the same count for every rank, as Ray's equal
+    split does. Without a seed
     (evaluation), the packs are read as stored. ``iter_batches`` is the subset of Ray's
     ``DataIterator.iter_batches`` that training uses, so a Ray Train dataset shard (a streamed job's, read in the
     stream's order) stands in for it.
@@ -104,7 +94,7 @@ class PackShard:
 
     def indices(self, epoch: int = 0, seed: int | None = None) -> list[int]:
         """Which rows of the table this worker reads in epoch ``epoch``, in order: every ``world``-th of the epoch's
-        order from ``rank`` on (:func:`interleave`'s rows of the table in that order)."""
+        order from ``rank`` on."""
         count = self.table.num_rows
         order = range(count) if seed is None else epoch_order(count, seed, epoch)
         return list(order[self.rank : self.num_rows * self.world : self.world])

@@ -1,7 +1,7 @@
 import pyarrow as pa
 import pytest
 
-from raylora.data.packs import PackShard, epoch_order, interleave
+from raylora.data.packs import PackShard, epoch_order
 
 
 def table(n: int) -> pa.Table:
@@ -10,9 +10,9 @@ def table(n: int) -> pa.Table:
 
 def test_workers_read_interleaved_equal_shares_that_together_are_one_workers_rows():
     rows = table(11)
-    shares = [interleave(rows, rank, 2).column("num_tokens").to_pylist() for rank in range(2)]
+    shares = [PackShard(rows, rank, 2).epoch().column("num_tokens").to_pylist() for rank in range(2)]
     assert shares == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]  # row 10 left out: equal shares, as Ray's split
-    assert interleave(rows, 0, 1).column("num_tokens").to_pylist() == list(range(11))
+    assert PackShard(rows).epoch().column("num_tokens").to_pylist() == list(range(11))
 
     def batches(shard, size):
         return [b.column("num_tokens").to_pylist() for b in shard.iter_batches(batch_size=size, drop_last=True)]
