@@ -1,41 +1,80 @@
-"""LoRA dropout for the fused path: nn.Dropout's distribution, with its random flags drawn in 64-bit words on CPU.
+"""LoRA dropout for the fused path: nn.Dropout's distribution, its mask cheap to draw and apply on CPU, its scale
+left to the caller.
 
-On CPU, ``F.dropout`` draws one Bernoulli per element (``bernoulli_``), which took 18% of a SmolLM2 LoRA step
-at dropout 0.05. Here one 64-bit random number gives four 16-bit uniforms, each compared with the drop
-threshold: P(drop) is p rounded to a multiple of 1/65536 (0.05 becomes 0.0500031). Kept values are scaled by
-1/(1-p), as nn.Dropout does. Other devices draw their masks fast already (Philox on CUDA and NPU) and keep
-``F.dropout``. ``bench/lora_dropout.py`` measures both.
+A LoRA layer computes ``dropout(x) @ A^T`` and then a rank-wide up-projection, so nn.Dropout's 1/(1-p) scale can
+multiply ``B`` (rank x out elements) instead of every element of ``x``: :func:`lora_dropout` returns ``x``
+times a 0/1 mask in ``x``'s dtype, and :func:`dropout_scale` is the factor the caller folds into its
+up-projection. A 0/1 mask is exact in bf16, where ``1/(1-p)`` is not (1/0.95 rounds to 1.0547).
+
+On CPU three costs dominated ``F.dropout`` (``bernoulli_``: 18% of a SmolLM2 LoRA step at p=0.05) and the first
+version of this module (a bool mask): the Mersenne Twister, which torch runs on one thread, and every op mixing
+a bool tensor with a float one (a comparison to bool, a bool x bf16 product forward and backward), which does not
+vectorise. Here :func:`keep_mask` builds the mask with 16-bit integer ops only, from 16-bit random words
+(four to a 64-bit number) that two threads draw at once. Each element is dropped with probability
+``round(p * 32768) / 32768`` (0.05 becomes 0.0499878). Other devices draw with ``bernoulli_`` (Philox on CUDA
+and NPU). ``bench/lora_dropout.py`` measures the CPU path against ``F.dropout``.
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.nn.functional as F
 
-LEVELS = 1 << 16
+LEVELS = 1 << 15  # each element's draw: the top 15 bits of a 16-bit random word
+ONE_BITS = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00}  # the bit patterns of 1.0
+PARALLEL_FROM = 1 << 15  # 64-bit words from which the second thread draws half of them
+
+_helper = ThreadPoolExecutor(1, thread_name_prefix="raylora-dropout")
+
+
+def random_words(count: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``count`` uniform 64-bit words (int64, CPU), the same for the same state of ``generator`` (default: the
+    global CPU generator), which advances by one draw. From :data:`PARALLEL_FROM` words on, two generators
+    seeded from that draw fill one half each, on this thread and a helper thread (torch's CPU generator is a
+    serial Mersenne Twister)."""
+    words = torch.empty(count, dtype=torch.int64)
+    if count < PARALLEL_FROM:
+        return words.random_(-(1 << 63), None, generator=generator)
+    seed = int(torch.randint(0, 1 << 62, (), generator=generator))
+    first, second = words[: count // 2], words[count // 2 :]
+    helper = _helper.submit(first.random_, -(1 << 63), None, generator=torch.Generator().manual_seed(2 * seed))
+    second.random_(-(1 << 63), None, generator=torch.Generator().manual_seed(2 * seed + 1))
+    helper.result()
+    return words
 
 
 def keep_mask(
-    shape: tuple[int, ...], p: float, device: torch.device | str = "cpu", generator: torch.Generator | None = None
+    shape: tuple[int, ...],
+    p: float,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Bool flags of ``shape``, each True with probability ``1 - round(p * 65536) / 65536``, from ``generator``
-    (default: the global generator of ``device``)."""
+    """A mask of ``shape`` in ``dtype``: 1 where kept, 0 where dropped (probability ``p``; on CPU
+    ``round(p * 32768) / 32768``), from ``generator`` (default: the global generator of ``device``)."""
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p, generator=generator)
     count = math.prod(shape)
-    words = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
-    words.random_(-(1 << 63), None, generator=generator)
-    threshold = round(p * LEVELS) - LEVELS // 2
-    return (words.view(torch.int16)[:count] >= threshold).view(shape)
+    draws = random_words((count + 3) // 4, generator).view(torch.int16)[:count] >> 1  # uniform in [-2^14, 2^14)
+    threshold = round(p * LEVELS) - LEVELS // 2  # dropped: draw < threshold
+    # (threshold - 1 - draw) is negative exactly when kept; an arithmetic shift by 15 makes that all one bits
+    keep = draws.neg_().add_(threshold - 1).bitwise_right_shift_(15)
+    if dtype in ONE_BITS:
+        return keep.bitwise_and_(ONE_BITS[dtype]).view(dtype).view(shape)
+    return keep.bitwise_and_(ONE_BITS[torch.bfloat16]).view(torch.bfloat16).to(dtype).view(shape)
 
 
 def lora_dropout(x: torch.Tensor, p: float, training: bool, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``F.dropout(x, p, training)``, its CPU mask from :func:`keep_mask`; with ``generator``, every mask comes from
-    it (a grouped sweep's member draws its own masks), elsewhere than CPU through ``bernoulli_``."""
+    """``x`` with each element zeroed with probability ``p`` (in training, p > 0), **not scaled**: the caller
+    multiplies what it computes from it by :func:`dropout_scale`. With ``generator`` every mask comes from it
+    (a grouped sweep's member draws its own masks)."""
     if not training or p == 0:
         return x
-    if x.device.type == "cpu":
-        return x * keep_mask(x.shape, p, x.device, generator) * (1 / (1 - p))
-    if generator is None:
-        return F.dropout(x, p, training)
-    return x * torch.empty_like(x).bernoulli_(1 - p, generator=generator) * (1 / (1 - p))
+    return x * keep_mask(x.shape, p, x.dtype, x.device, generator)
+
+
+def dropout_scale(p: float, training: bool) -> float:
+    """The factor that makes :func:`lora_dropout`'s output nn.Dropout's: ``1/(1-p)`` in training, else 1."""
+    return 1 / (1 - p) if training and p else 1.0

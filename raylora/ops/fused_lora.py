@@ -6,16 +6,16 @@ out_features) output, then an add. Here, in each adapted layer:
 
 - the down-projections of siblings that read the same input (q/k/v of attention, gate/up of the MLP) run as
   one matrix product against their stacked ``A`` weights, rank columns each, on one dropout of that input;
-- the scaling multiplies ``B`` (rank x out elements) instead of the output, and the up-projection is added
-  to the base output by one ``addmm``.
+- the scaling, and dropout's 1/(1-p), multiply ``B`` (rank x out elements) instead of the output or the
+  input, and the up-projection is added to the base output by one ``addmm``.
 
 Parameters are peft's own, untouched, so ``save_pretrained`` still writes a plain peft adapter. A layer holding
 DoRA, a LoRA bias, several active adapters, merged weights or disabled adapters runs peft's forward.
 
 Dropout differs from peft's in two ways, both in how masks are drawn, not in their distribution: siblings share
 one mask (peft draws one per layer: 7 per decoder layer instead of 4, and one matrix product needs one input),
-and on CPU the mask comes from :func:`raylora.ops.dropout.lora_dropout`. Each layer still sees its input with
-every element kept with probability 1 - p and scaled by 1/(1 - p). The reference is peft's forward;
+and the mask comes from :func:`raylora.ops.dropout.lora_dropout` (on CPU, p rounded to a multiple of 1/32768).
+Each layer still computes from its input with every element kept with probability 1 - p and scaled by 1/(1 - p). The reference is peft's forward;
 ``tests/unit/test_ops_fused_lora.py`` holds the fused path to it.
 """
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raylora.ops.dropout import lora_dropout
+from raylora.ops.dropout import dropout_scale, lora_dropout
 from raylora.ops.lora import plain_lora
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one parent reading one input
@@ -96,10 +96,10 @@ def _lora_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x if torch.is_autocast_enabled(x.device.type) else x.to(weight.dtype)
 
 
-def _dropped(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The layer's LoRA dropout (``nn.Dropout`` or ``nn.Identity``) of ``x``, through :func:`lora_dropout`."""
+def _dropout(layer: nn.Module) -> tuple[float, bool]:
+    """``(p, training)`` of the layer's LoRA dropout (``nn.Dropout`` or ``nn.Identity``)."""
     dropout = layer.lora_dropout[layer.active_adapters[0]]
-    return lora_dropout(x, getattr(dropout, "p", 0.0), dropout.training)
+    return getattr(dropout, "p", 0.0), dropout.training
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -118,12 +118,12 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     result = self.base_layer(x, *args, **kwargs)
 
     def dropped() -> torch.Tensor:
-        return _dropped(self, _lora_input(x, a))
+        return lora_dropout(_lora_input(x, a), *_dropout(self))
 
     down = self._raylora_group.down(self, x, name, dropped) if self._raylora_group is not None else None
     if down is None:
         down = F.linear(dropped(), a)
-    up = (b * self.scaling[name]).to(down.dtype)
+    up = (b * (self.scaling[name] * dropout_scale(*_dropout(self)))).to(down.dtype)
     flat = torch.addmm(result.reshape(-1, result.shape[-1]).to(down.dtype), down.reshape(-1, down.shape[-1]), up.T)
     return flat.reshape(result.shape).to(result.dtype)
 

@@ -47,7 +47,7 @@ from raylora.config import JobConfig
 from raylora.data.collate import collate_packs
 from raylora.data.packs import PackShard
 from raylora.models import load_model, target_modules
-from raylora.ops.dropout import lora_dropout
+from raylora.ops.dropout import dropout_scale, lora_dropout
 from raylora.ops.fused_lora import SharedDown, clear_siblings, siblings
 from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
 from raylora.ops.packed_attention import use_packed_attention
@@ -551,7 +551,7 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
     Siblings reading one input share each member's down-projection, as the fused LoRA linear does
     (:mod:`raylora.ops.fused_lora`: one dropout mask, one matmul against the stacked ``A``). Dropout masks come
-    from :meth:`Group._masks`. The scaling multiplies ``B`` (rank x out elements).
+    from :meth:`Group._masks`. The scaling, and dropout's 1/(1-p), multiply ``B`` (rank x out elements).
 
     ``x``: (rows, tokens, in_features), rows stacked member after member as ``self._raylora_lane.spans`` says.
     """
@@ -571,5 +571,6 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         down = self._raylora_group.down(self, x, name, dropped) if self._raylora_group is not None else None
         if down is None:
             down = F.linear(dropped(), a)
-        result[span].add_(F.linear(down, b * self.scaling[name]).to(result.dtype))
+        scale = self.scaling[name] * dropout_scale(getattr(self.lora_dropout[name], "p", 0.0), self.training)
+        result[span].add_(F.linear(down, b * scale).to(result.dtype))
     return result

@@ -1,20 +1,43 @@
-"""The fused path's LoRA dropout: nn.Dropout's distribution from 16-bit draws, four to a 64-bit random number."""
+"""The fused path's LoRA dropout: nn.Dropout's distribution with its scale left to the caller, masks from 16-bit
+draws (four to a 64-bit random number, drawn by two threads)."""
 
 import pytest
 import torch
 
-from raylora.ops.dropout import keep_mask, lora_dropout
+from raylora.ops.dropout import PARALLEL_FROM, dropout_scale, keep_mask, lora_dropout, random_words
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3])
-def test_each_flag_drops_with_probability_p_in_every_lane_of_a_word(p):
+def test_each_element_drops_with_probability_p_in_every_lane_of_a_word(p):
     torch.manual_seed(0)
     keep = keep_mask((1000, 1000), p)
-    assert keep.dtype == torch.bool and keep.shape == (1000, 1000)
-    dropped = (~keep).flatten().float()
+    assert keep.dtype == torch.bfloat16 and keep.shape == (1000, 1000)
+    assert set(keep.unique().tolist()) == {0.0, 1.0}
+    dropped = (keep == 0).flatten().float()
     assert dropped.mean().item() == pytest.approx(p, abs=0.0015)  # 7 standard deviations at p=0.05
     for lane in range(4):  # the four 16-bit draws of one 64-bit number are each uniform
         assert dropped[lane::4].mean().item() == pytest.approx(p, abs=0.003)
+    half = len(dropped) // 2  # the halves two threads draw from two generators
+    assert dropped[:half].mean().item() == pytest.approx(dropped[half:].mean().item(), abs=0.003)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_masks_are_exact_ones_and_zeros_in_every_dtype_and_the_same_pattern(dtype):
+    torch.manual_seed(1)
+    reference = keep_mask((40, 30), 0.3)
+    torch.manual_seed(1)
+    mask = keep_mask((40, 30), 0.3, dtype)
+    assert mask.dtype == dtype
+    assert torch.equal(mask.float(), reference.float())
+
+
+@pytest.mark.parametrize("count", [PARALLEL_FROM - 1, PARALLEL_FROM, 3 * PARALLEL_FROM + 1])
+def test_words_follow_the_generator_on_one_or_two_threads(count):
+    first = random_words(count, torch.Generator().manual_seed(4))
+    assert first.shape == (count,) and first.dtype == torch.int64
+    assert torch.equal(random_words(count, torch.Generator().manual_seed(4)), first)
+    assert not torch.equal(random_words(count, torch.Generator().manual_seed(5)), first)
+    assert len(first.unique()) == count  # no repeated stretch: the two halves come from different streams
 
 
 def test_masks_follow_the_global_seed_and_odd_sizes_work():
@@ -25,15 +48,17 @@ def test_masks_follow_the_global_seed_and_odd_sizes_work():
     assert not torch.equal(keep_mask((3, 5, 7), 0.5), first)
 
 
-def test_kept_values_and_gradients_are_scaled_by_one_over_one_minus_p():
+def test_kept_values_are_not_scaled_and_the_scale_makes_them_nn_dropout_s():
     x = torch.randn(64, 96, requires_grad=True)
     torch.manual_seed(5)
     out = lora_dropout(x, 0.25, training=True)
     torch.manual_seed(5)
-    keep = keep_mask(x.shape, 0.25)
-    torch.testing.assert_close(out, torch.where(keep, x / 0.75, 0.0))
+    keep = keep_mask(x.shape, 0.25, torch.float32)
+    torch.testing.assert_close(out, torch.where(keep == 1, x, 0.0))
     out.sum().backward()
-    torch.testing.assert_close(x.grad, keep.float() / 0.75)
+    torch.testing.assert_close(x.grad, keep)
+    assert dropout_scale(0.25, True) == pytest.approx(1 / 0.75)
+    assert dropout_scale(0.25, False) == dropout_scale(0.0, True) == 1.0
 
 
 def test_eval_mode_and_p_zero_return_the_input_itself():

@@ -105,9 +105,9 @@ def test_siblings_share_one_dropout_mask_and_match_peft_given_the_same_masks(mon
     fuse_lora(fused)
     drawn = []
 
-    def recording(shape, p, device="cpu", generator=None):
+    def recording(shape, p, dtype=torch.bfloat16, device="cpu", generator=None):
         drawn.append((tuple(shape), p))
-        return _pattern(shape, p)
+        return _pattern(shape, p).to(dtype)
 
     monkeypatch.setattr("raylora.ops.dropout.keep_mask", recording)
     for module in reference.modules():

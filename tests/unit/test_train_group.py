@@ -183,9 +183,9 @@ def test_siblings_share_each_members_down_projection_and_dropout_mask(monkeypatc
     drawn = []
     keep_mask = raylora.ops.dropout.keep_mask
 
-    def recording(shape, p, device="cpu", generator=None):
+    def recording(shape, p, dtype=torch.bfloat16, device="cpu", generator=None):
         drawn.append(tuple(shape))
-        return keep_mask(shape, p, device, generator)
+        return keep_mask(shape, p, dtype, device, generator)
 
     monkeypatch.setattr("raylora.ops.dropout.keep_mask", recording)
     group.step()
