@@ -22,8 +22,10 @@ def _inputs(n=37, hidden=16, vocab=50, weight_grad=True):
 
 @pytest.mark.parametrize("dtype,tol", [(None, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("chunk_elements", [50 * 8, 50 * 37, 2**24])  # several chunks, one exact, one large
-def test_chunked_matches_full_logits(monkeypatch, dtype, tol, chunk_elements):
+@pytest.mark.parametrize("cache_elements", [50 * 3, 2**20])  # rows scored a few at a time (the last part short)
+def test_chunked_matches_full_logits(monkeypatch, dtype, tol, chunk_elements, cache_elements):
     monkeypatch.setattr(linear_ce, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(linear_ce, "CACHE_ELEMENTS", cache_elements)
     h, w, t = _inputs()
     ours = linear_cross_entropy(h, w, t, dtype)
     (ours * 0.5).backward()
