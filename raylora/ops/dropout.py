@@ -6,43 +6,24 @@ multiply ``B`` (rank x out elements) instead of every element of ``x``: :func:`l
 times a 0/1 mask in ``x``'s dtype, and :func:`dropout_scale` is the factor the caller folds into its
 up-projection. A 0/1 mask is exact in bf16, where ``1/(1-p)`` is not (1/0.95 rounds to 1.0547).
 
-On CPU three costs dominated ``F.dropout`` (``bernoulli_``: 18% of a SmolLM2 LoRA step at p=0.05) and the first
-version of this module (a bool mask): the Mersenne Twister, which torch runs on one thread, and every op mixing
-a bool tensor with a float one (a comparison to bool, a bool x bf16 product forward and backward), which does not
-vectorise. Here :func:`keep_mask` builds the mask with 16-bit integer ops only, from 16-bit random words
-(four to a 64-bit number) that two threads draw at once. Each element is dropped with probability
-``round(p * 32768) / 32768`` (0.05 becomes 0.0499878). Other devices draw with ``bernoulli_`` (Philox on CUDA
-and NPU). ``bench/lora_dropout.py`` measures the CPU path against ``F.dropout``.
+On CPU two costs dominated ``F.dropout`` (``bernoulli_``: 18% of a SmolLM2 LoRA step at p=0.05) and the first
+version of this module (a bool mask): drawing a random number per element, and every op mixing a bool tensor
+with a float one (a comparison to bool, a bool x bf16 product forward and backward), which does not vectorise.
+Here :func:`keep_mask` builds the mask with 16-bit integer ops only, from 16-bit random words, four to a
+64-bit number of torch's generator. Each element is dropped with probability ``round(p * 32768) / 32768``
+(0.05 becomes 0.0499878). Drawing the words on two threads made the draw 1.9x faster alone but a training
+step 2% slower (the intra-op threads spin between ops), so they come from one. Other devices draw with
+``bernoulli_`` (Philox on CUDA and NPU). ``bench/lora_dropout.py`` measures the CPU path against ``F.dropout``.
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 LEVELS = 1 << 15  # each element's draw: the top 15 bits of a 16-bit random word
 ONE_BITS = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00}  # the bit patterns of 1.0
-PARALLEL_FROM = 1 << 15  # 64-bit words from which the second thread draws half of them
-
-_helper = ThreadPoolExecutor(1, thread_name_prefix="raylora-dropout")
-
-
-def random_words(count: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``count`` uniform 64-bit words (int64, CPU), the same for the same state of ``generator`` (default: the
-    global CPU generator), which advances by one draw. From :data:`PARALLEL_FROM` words on, two generators
-    seeded from that draw fill one half each, on this thread and a helper thread (torch's CPU generator is a
-    serial Mersenne Twister)."""
-    words = torch.empty(count, dtype=torch.int64)
-    if count < PARALLEL_FROM:
-        return words.random_(-(1 << 63), None, generator=generator)
-    seed = int(torch.randint(0, 1 << 62, (), generator=generator))
-    first, second = words[: count // 2], words[count // 2 :]
-    helper = _helper.submit(first.random_, -(1 << 63), None, generator=torch.Generator().manual_seed(2 * seed))
-    second.random_(-(1 << 63), None, generator=torch.Generator().manual_seed(2 * seed + 1))
-    helper.result()
-    return words
 
 
 def keep_mask(
@@ -57,7 +38,8 @@ def keep_mask(
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p, generator=generator)
     count = math.prod(shape)
-    draws = random_words((count + 3) // 4, generator).view(torch.int16)[:count] >> 1  # uniform in [-2^14, 2^14)
+    words = torch.empty((count + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None, generator=generator)
+    draws = words.view(torch.int16)[:count] >> 1  # uniform in [-2^14, 2^14)
     threshold = round(p * LEVELS) - LEVELS // 2  # dropped: draw < threshold
     # (threshold - 1 - draw) is negative exactly when kept; an arithmetic shift by 15 makes that all one bits
     keep = draws.neg_().add_(threshold - 1).bitwise_right_shift_(15)

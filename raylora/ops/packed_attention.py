@@ -14,6 +14,9 @@ The function is registered with transformers' ``AttentionInterface`` under :data
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,9 +54,14 @@ def packed_attention(
         return x.transpose(0, 1).reshape(x.shape[1], rows * width, dim)
 
     q, k, v = flat(query), flat(key), flat(value)
-    bounds = cu_seq_lens_q.tolist()
-    parts = [attend(q[:, s:e], k[:, s:e], v[:, s:e], scaling) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-    return torch.cat(parts, dim=1).reshape(heads, rows, width, dim).permute(1, 2, 0, 3), None
+    bounds = tuple(cu_seq_lens_q.tolist())
+    segments = list(itertools.pairwise(bounds))
+    scale = dim**-0.5 if scaling is None else scaling
+    if q.device.type == "cpu" and max(e - s for s, e in segments) <= OURS_UP_TO:
+        out = CausalAttention.apply(q, k, v, scale, bounds)  # one node for all segments
+    else:
+        out = torch.cat([attend(q[:, s:e], k[:, s:e], v[:, s:e], scale) for s, e in segments], dim=1)
+    return out.reshape(heads, rows, width, dim).permute(1, 2, 0, 3), None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -63,8 +71,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | N
     :func:`sdpa_attend`: below :data:`FLASH_FROM` tokens sdpa's 3-D call (math kernel, grouped heads), from there
     its 4-D call with repeated key/value heads (flash, which holds one value per row for the backward).
     """
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     if q.device.type == "cpu" and q.shape[1] <= OURS_UP_TO:
-        return CausalAttention.apply(q, k, v, q.shape[-1] ** -0.5 if scaling is None else scaling)
+        return CausalAttention.apply(q, k, v, scale)
     return sdpa_attend(q, k, v, scaling)
 
 
@@ -77,44 +86,65 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: floa
     return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling)[0]
 
 
-class CausalAttention(torch.autograd.Function):
-    """Causal attention of one example in batched matrix products (two forward, four backward), for the CPU.
+@functools.lru_cache(maxsize=64)
+def _causal_bias(n: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(group * n, n): 0 where a query may attend (key at or before it), -inf elsewhere, for ``group`` query heads
+    stacked one after another. Cached: every layer of a step sees the same example lengths."""
+    bias = torch.zeros(n, n, dtype=dtype, device=device)
+    return bias.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=device).triu_(1), float("-inf")).repeat(group, 1)
 
-    The query heads that share a key/value head are stacked, so one ``bmm`` per key head scores them all (no
-    repeated keys). Under autocast the products run in its dtype, as sdpa's would; scores, probabilities and their
-    gradients stay in that dtype, and softmax and its backward (``dS = P * (dP - rowsum(dP * P))``, aten's own
+
+class CausalAttention(torch.autograd.Function):
+    """Causal attention of each segment (example) of a sequence on its own, in batched matrix products (two
+    forward, four backward per segment), for the CPU.
+
+    ``apply(q, k, v, scale, bounds=None)``: q (H, N, D), k and v (H_kv, N, D) -> (H, N, D); ``bounds``: the
+    segments' boundaries ``(0, ..., N)`` (default: one segment). One autograd node for all segments: the
+    gradients are written into whole (H, N, D) tensors, with no per-segment slices for autograd to zero-fill
+    and sum. The query heads that share a key/value head are stacked, so one ``baddbmm`` per key head scores
+    them all (no repeated keys), adding the causal mask (cached per length) and scaling in the same call. Under
+    autocast the products run in its dtype, as sdpa's would; scores, probabilities and their gradients stay in
+    that dtype, and softmax and its backward (``dS = P * (dP - rowsum(dP * P))``, aten's own
     ``_softmax_backward_data``, the op autograd runs for softmax) accumulate in fp32 inside, so no fp32 copy of
     the (H, n, n) scores is made. Against sdpa's CPU kernels, forward + backward on 2 cores, SmolLM2's 9 / 3
     heads of 64, bf16: see ``bench/packed_attention.py --kernels``. The cost is memory: the probabilities,
-    (H, n, n) per example and layer, are held until the backward (4.7 MB at 512 tokens in bf16, 30 layers:
+    (H, n, n) per segment and layer, are held until the backward (4.7 MB at 512 tokens in bf16, 30 layers:
     141 MB), where the flash kernel keeps one value per row; hence :data:`OURS_UP_TO`.
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, q, k, v, scale: float, bounds: tuple[int, ...] | None = None):
         ctx.dtypes = q.dtype, k.dtype, v.dtype
         kind = q.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        kv_heads, n, dim = k.shape
-        stacked = q.reshape(kv_heads, -1, dim)  # (H_kv, group * n, D): the group's heads one after another
-        scores = torch.bmm(stacked, k.transpose(1, 2)).view(kv_heads, -1, n, n).mul_(scale)
-        scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-        probs = scores.softmax(-1).view(kv_heads, -1, n)
-        ctx.save_for_backward(stacked, k, v, probs)
-        ctx.scale = scale
-        return torch.bmm(probs, v).view(q.shape)
+        kv_heads, group = k.shape[0], q.shape[0] // k.shape[0]
+        segments = list(itertools.pairwise(bounds or (0, q.shape[1])))
+        out = torch.empty_like(q)
+        probs = []
+        for s, e in segments:
+            stacked = q[:, s:e].reshape(kv_heads, -1, q.shape[2])  # (H_kv, group * n, D): the group's heads in turn
+            bias = _causal_bias(e - s, group, dtype, q.device)
+            probs.append(torch.baddbmm(bias, stacked, k[:, s:e].transpose(1, 2), alpha=scale).softmax(-1))
+            out[:, s:e] = torch.bmm(probs[-1], v[:, s:e]).view(q.shape[0], e - s, q.shape[2])
+        ctx.save_for_backward(q, k, v, *probs)
+        ctx.scale, ctx.segments = scale, segments
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        stacked, k, v, probs = ctx.saved_tensors
-        grad_out = grad_out.reshape(stacked.shape).to(probs.dtype)
-        grad_v = torch.bmm(probs.transpose(1, 2), grad_out)
-        grad_probs = torch.bmm(grad_out, v.transpose(1, 2))
-        grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype).mul_(ctx.scale)
-        grad_q = torch.bmm(grad_scores, k).view(-1, k.shape[1], k.shape[2])
-        grad_k = torch.bmm(grad_scores.transpose(1, 2), stacked)
-        return *(g.to(t) for g, t in zip((grad_q, grad_k, grad_v), ctx.dtypes, strict=True)), None
+    def backward(ctx, grad_out):
+        q, k, v, *probs = ctx.saved_tensors
+        grad_out = grad_out.to(probs[0].dtype)
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kv_heads, dim = k.shape[0], k.shape[2]
+        for (s, e), p in zip(ctx.segments, probs, strict=True):
+            stacked = q[:, s:e].reshape(kv_heads, -1, dim)
+            grad = grad_out[:, s:e].reshape(kv_heads, -1, dim)
+            grad_v[:, s:e] = torch.bmm(p.transpose(1, 2), grad)
+            grad_scores = torch._softmax_backward_data(torch.bmm(grad, v[:, s:e].transpose(1, 2)), p, -1, p.dtype)
+            grad_q[:, s:e] = torch.bmm(grad_scores, k[:, s:e]).mul_(ctx.scale).view(-1, e - s, dim)
+            grad_k[:, s:e] = torch.bmm(grad_scores.transpose(1, 2), stacked).mul_(ctx.scale)
+        return *(g.to(t) for g, t in zip((grad_q, grad_k, grad_v), ctx.dtypes, strict=True)), None, None
 
 
 def use_packed_attention(model: nn.Module) -> bool:

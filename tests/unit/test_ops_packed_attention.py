@@ -5,6 +5,7 @@ the fp32 result (Frobenius norm) may be at most 1.25x the other's plus 1e-3.
 """
 
 import copy
+import itertools
 import random
 
 import pytest
@@ -80,17 +81,49 @@ def test_packed_attention_equals_the_block_mask_in_loss_and_gradients(chunked):
 def test_each_example_attends_causally_on_its_own(monkeypatch):
     _, ours = _pair(chunked=True)
     calls = []
-    real = packed.attend
+    real = packed.CausalAttention.apply
 
-    def recording(q, k, v, scaling):
-        calls.append(q.shape[1])
-        return real(q, k, v, scaling)
+    def recording(q, k, v, scale, bounds):
+        calls.append([e - s for s, e in itertools.pairwise(bounds)])
+        return real(q, k, v, scale, bounds)
 
-    monkeypatch.setattr(packed, "attend", recording)
+    monkeypatch.setattr(packed.CausalAttention, "apply", recording)
     with torch.no_grad():
         ours(**collate_packs(_rows(), 0, width=WIDTH))
     layers = ours.model.get_base_model().config.num_hidden_layers
-    assert calls == [9, 6, 7, 2, 11, 6, 7] * layers
+    assert calls == [[9, 6, 7, 2, 11, 6, 7]] * layers  # one call per layer for the whole batch
+
+
+def test_one_call_over_many_segments_equals_each_segment_on_its_own():
+    """fp32 at 1e-5: :class:`CausalAttention` over segments of a flat sequence (one of them a single token)
+    gives each segment the plain formula's output and gradients, with nothing crossing a boundary."""
+    bounds = (0, 5, 6, 19, 40)
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(h, 40, 16, generator=gen, requires_grad=True) for h in (4, 2, 2)]
+    grad = torch.randn(4, 40, 16, generator=gen)
+    out = packed.CausalAttention.apply(*inputs, 0.3, bounds)
+    got = torch.autograd.grad(out, inputs, grad)
+    pieces = [_causal_reference(*(x[:, s:e] for x in inputs), 0.3) for s, e in itertools.pairwise(bounds)]
+    expected = torch.cat(pieces, dim=1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(got, torch.autograd.grad(expected, inputs, grad), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_pack_with_an_example_past_our_kernel_goes_example_by_example(monkeypatch):
+    """One example longer than OURS_UP_TO: that example takes sdpa, the others our kernel, one call each."""
+    lengths = [3, packed.OURS_UP_TO + 2, 4]
+    bounds = torch.tensor([0, 3, 3 + lengths[1], sum(lengths)])
+    seen = []
+    real = packed.attend
+    monkeypatch.setattr(packed, "attend", lambda q, k, v, s: seen.append(q.shape[1]) or real(q, k, v, s))
+    gen = torch.Generator().manual_seed(2)
+    query, key, value = (torch.randn(1, h, sum(lengths), 8, generator=gen) for h in (4, 2, 2))
+    out, _ = packed.packed_attention(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=bounds)
+    assert seen == lengths
+    flat = [x[0] for x in (query, key, value)]
+    pieces = [_causal_reference(*(x[:, s:e] for x in flat), 0.3) for s, e in itertools.pairwise(bounds.tolist())]
+    torch.testing.assert_close(out[0], torch.cat(pieces, dim=1).transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
 def test_without_boundaries_the_model_answers_as_with_sdpa():
