@@ -130,6 +130,48 @@ def test_frozen_linears_stored_in_bf16_train_exactly_like_autocast_over_fp32_wei
     _assert_same(_step(stored, _rows(), 2, 1, bf16), _step(reference, _rows(), 2, 1, bf16), tol=0)
 
 
+def test_norm_and_rotary_outputs_come_in_bf16_under_autocast_and_train_within_bf16_error(monkeypatch):
+    bf16 = resolve_backend(BackendArgs(device="cpu", precision="bf16"))
+    ours, notes = _model(bf16)
+    assert "norm and rotary outputs in bf16: 6 modules" in notes  # 2 norms x 2 layers, final norm, rotary
+    decoder = ours.model.get_base_model().get_decoder()
+    seen = []
+    decoder.layers[0].input_layernorm.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    decoder.rotary_emb.register_forward_hook(lambda m, a, out: seen.append(out[0].dtype))
+    batch = _batch(_rows()[0])
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours(**batch)
+        assert seen == [torch.bfloat16, torch.bfloat16]
+        seen.clear()
+        _model()[0](**batch)  # fp32: no autocast, nothing cast
+    # against fp32, the step errs by at most 1.25x (plus 1e-3) what it errs without the casts
+    exact = _step(_model()[0], _rows(), 2, 1)
+    got = _step(ours, _rows(), 2, 1, bf16)
+    monkeypatch.setattr("raylora.train.lm.autocast_outputs", lambda decoder, dtype: 0)
+    plain = _step(_model(bf16)[0], _rows(), 2, 1, bf16)
+
+    def error(result):
+        diffs = [(result["params"][n] - exact["params"][n]).norm() / exact["params"][n].norm() for n in exact["params"]]
+        return max(abs(result["loss"] - exact["loss"]) / exact["loss"], *(d.item() for d in diffs))
+
+    assert error(got) <= 1.25 * error(plain) + 1e-3
+
+
+def test_a_frozen_head_is_cast_once_and_scores_as_the_head_itself():
+    bf16 = resolve_backend(BackendArgs(device="cpu", precision="bf16"))
+    loss_model, _ = _model(bf16)
+    head = loss_model.model.get_base_model().get_output_embeddings().weight
+    assert loss_model.head.dtype == torch.bfloat16 and torch.equal(loss_model.head, head.to(torch.bfloat16))
+    assert not any(t is loss_model.head for t in loss_model.state_dict().values())
+    batch = _batch(_rows()[2])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cached = loss_model(**batch)
+        loss_model.head = None
+        assert torch.equal(loss_model(**batch), cached)
+    assert _model()[0].head is None  # fp32: nothing to cast
+
+
 def test_recompute_checkpoints_every_nth_layer():
     loss_model, notes = _model(recompute_every=2)
     layers = loss_model.model.get_base_model().model.layers
