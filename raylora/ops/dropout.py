@@ -33,10 +33,11 @@ def keep_mask(
     device: torch.device | str = "cpu",
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """A mask of ``shape`` in ``dtype``: 1 where kept, 0 where dropped (probability ``p``; on CPU
-    ``round(p * 32768) / 32768``), from ``generator`` (default: the global generator of ``device``)."""
-    if torch.device(device).type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p, generator=generator)
+    """A mask of ``shape`` in ``dtype``: 1 where kept, 0 where dropped (probability ``round(p * 32768) / 32768``),
+    from ``generator`` (default: the global generator of ``device``). Off the CPU, a bool mask (probability
+    ``p``), which those devices multiply at full speed."""
+    if torch.device(device).type != "cpu":  # a bool mask: what autograd saves for the backward is 1 byte a flag
+        return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(1 - p, generator=generator)
     count = math.prod(shape)
     words = torch.empty((count + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None, generator=generator)
     draws = words.view(torch.int16)[:count] >> 1  # uniform in [-2^14, 2^14)

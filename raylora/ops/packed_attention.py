@@ -86,10 +86,11 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: floa
     return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling)[0]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
 def _causal_bias(n: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(group * n, n): 0 where a query may attend (key at or before it), -inf elsewhere, for ``group`` query heads
-    stacked one after another. Cached: every layer of a step sees the same example lengths."""
+    stacked one after another. Cached: every layer of a step sees the same example lengths (at most 32 entries:
+    48 MB for SmolLM2's 3-head groups at 512 tokens in bf16)."""
     bias = torch.zeros(n, n, dtype=dtype, device=device)
     return bias.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=device).triu_(1), float("-inf")).repeat(group, 1)
 

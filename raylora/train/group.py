@@ -53,7 +53,7 @@ from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_en
 from raylora.ops.packed_attention import use_packed_attention
 from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
-from raylora.train.lm import enable_recompute, head_is_plain_linear, store_frozen_linears
+from raylora.train.lm import autocast_outputs, enable_recompute, head_is_plain_linear, store_frozen_linears
 from raylora.train.optim import adamw, build_scheduler
 
 
@@ -150,6 +150,8 @@ class Group:
             # cast per forward. peft then rounds each new member's initial LoRA weights to this dtype before it
             # casts them back to fp32, a relative change below 2^-8 from the same member trained alone.
             store_frozen_linears(self.base, self.backend.amp_dtype)
+            autocast_outputs(self.base, self.backend.amp_dtype)
+        self.head = None  # the frozen head's weight in the autocast dtype, cast at the first chunked loss
         self.pad_id = tokenizer.pad_token_id
         self.mask_dtype = self.backend.amp_dtype or self.base.dtype
         self.model = None  # the peft model, built when the first member joins
@@ -464,10 +466,11 @@ class Group:
             inputs["cu_seq_lens_q"] = batch["cu_seq_lens"]
             if self.chunked:
                 hidden = causal_lm.get_decoder()(**inputs).last_hidden_state
-                head = causal_lm.get_output_embeddings().weight
+                if self.head is None:
+                    self.head = causal_lm.get_output_embeddings().weight.detach().to(amp or self.base.dtype)
                 for name, span in spans.items():
                     scored, targets = label_positions(hidden[span], batch["labels"][span])
-                    losses[name] = linear_cross_entropy(scored, head, targets, amp)
+                    losses[name] = linear_cross_entropy(scored, self.head, targets, amp)
             else:
                 logits = causal_lm(**inputs).logits
                 for name, span in spans.items():

@@ -36,7 +36,7 @@ class LossModel(nn.Module):
         super().__init__()
         self.model = model
         self.chunked = chunked
-        self.head = head  # the frozen head's weight, cast once to the autocast dtype (not a parameter or buffer)
+        self.head = head  # the frozen head's weight cast once to the autocast dtype (a copy: not a parameter or buffer)
 
     def forward(self, input_ids, labels, position_ids, attention_mask, cu_seq_lens=None) -> torch.Tensor:
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
@@ -105,18 +105,26 @@ def store_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
-def autocast_outputs(decoder: nn.Module, dtype: torch.dtype) -> int:
-    """Make the decoder's norms (RMSNorm, LayerNorm) and rotary embedding return ``dtype``, in place.
+PRE_NORM_MODELS = ("llama", "mistral", "qwen2", "qwen3")  # model types whose norms below only feed linear layers
+PRE_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+
+
+def autocast_outputs(causal_lm: nn.Module, dtype: torch.dtype) -> int:
+    """Make the decoder's pre-norms, final norm and rotary embedding return ``dtype`` under autocast, in place.
 
     They compute in fp32 and return fp32 under autocast, so every linear layer reading a norm's output casts it
     again (q, k and v each, and the LoRA down-projection: four casts of one tensor, and four casts back in the
     backward), and RoPE turns the bf16 queries and keys into fp32 ones that attention casts back. Cast once at
     the source, the linear layers see the values they saw (a 0/1 dropout mask keeps them exact); RoPE's products
-    round to ``dtype``, as in a bf16 model. The residual stream stays fp32.
+    round to ``dtype``, as in a bf16 model. Only for :data:`PRE_NORM_MODELS`, where these norms feed linear
+    layers alone: the residual stream stays fp32 (a post-norm model adds its norms' outputs to it). Calling it
+    again on the same model changes nothing more.
 
     Returns:
-        The number of modules changed.
+        The number of modules that return ``dtype`` (0 for other model types).
     """
+    if causal_lm.config.model_type not in PRE_NORM_MODELS:
+        return 0
 
     def cast(module, args, output):
         if not torch.is_autocast_enabled((output[0] if isinstance(output, tuple) else output).device.type):
@@ -124,9 +132,11 @@ def autocast_outputs(decoder: nn.Module, dtype: torch.dtype) -> int:
         return tuple(t.to(dtype) for t in output) if isinstance(output, tuple) else output.to(dtype)
 
     count = 0
-    for name, module in decoder.named_modules():
-        if isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm") or name == "rotary_emb":
-            module.register_forward_hook(cast)
+    for name, module in causal_lm.get_decoder().named_modules():
+        if name.rsplit(".", 1)[-1] in PRE_NORMS or name in ("norm", "rotary_emb"):
+            if not getattr(module, "_raylora_cast", False):
+                module.register_forward_hook(cast)
+                module._raylora_cast = True
             count += 1
     return count
 
@@ -172,8 +182,13 @@ def training_model(model: nn.Module, train: TrainArgs, backend: Backend) -> tupl
     if backend.amp_dtype is not None:
         count = store_frozen_linears(model, backend.amp_dtype)
         notes.append(f"frozen linear weights stored in {backend.precision}: {count} matrices")
-        count = autocast_outputs(causal_lm.get_decoder(), backend.amp_dtype)
-        notes.append(f"norm and rotary outputs in {backend.precision}: {count} modules")
+        count = autocast_outputs(causal_lm, backend.amp_dtype)
+        kind = causal_lm.config.model_type
+        notes.append(
+            f"norm and rotary outputs in {backend.precision}: {count} modules"
+            if count
+            else f"norm and rotary outputs in fp32 ({kind} is not a pre-norm model we list)"
+        )
         weight = causal_lm.get_output_embeddings().weight
         head = weight.detach().to(backend.amp_dtype) if chunked and not weight.requires_grad else None
     if train.compile:

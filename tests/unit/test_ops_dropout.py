@@ -29,6 +29,17 @@ def test_masks_are_exact_ones_and_zeros_in_every_dtype_and_the_same_pattern(dtyp
     assert torch.equal(mask.float(), reference.float())
 
 
+def test_the_mask_is_exactly_the_top_15_bits_of_each_word_against_the_rounded_threshold():
+    torch.manual_seed(9)
+    mask = keep_mask((3, 37), 0.3)
+    torch.manual_seed(9)
+    words = torch.empty(28, dtype=torch.int64).random_(-(1 << 63), None)
+    draws = words.view(torch.int16)[:111].long() >> 1
+    assert torch.equal(mask.flatten() == 1, draws >= round(0.3 * 32768) - 16384)
+    assert keep_mask((10_000,), 1e-6).min() == 1  # rounds to 0: nothing dropped
+    assert keep_mask((10_000,), 1 - 1e-6).max() == 0  # rounds to 1: everything dropped
+
+
 def test_masks_follow_the_global_seed_and_odd_sizes_work():
     torch.manual_seed(3)
     first = keep_mask((3, 5, 7), 0.5)

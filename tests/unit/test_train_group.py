@@ -193,6 +193,26 @@ def test_siblings_share_each_members_down_projection_and_dropout_mask(monkeypatc
     assert drawn == layer * 2
 
 
+def test_a_member_with_dropout_trains_as_alone_given_the_same_masks(monkeypatch):
+    """Masks are drawn differently in a group (each member's own generator); given one fixed pattern on both sides,
+    a member with dropout 0.2 trains as it would alone: the 1/(1-p) scale is applied once, in its up-projection."""
+
+    def pattern(shape, p, dtype=torch.bfloat16, device="cpu", generator=None):
+        return (torch.arange(shape[-1]) % 5 != 2).to(dtype).expand(shape)
+
+    monkeypatch.setattr("raylora.ops.dropout.keep_mask", pattern)
+    group = Group(_cfg(), _shard(_rows()), None, lanes=1)
+    group.join("ma", _cfg("ma", lora_dropout=0.2, log_every=1))
+    losses = _run(group, 3)["ma"]
+    alone_losses, alone_weights = _alone(_cfg("ma", lora_dropout=0.2), _rows(), 3)
+    assert losses == pytest.approx(alone_losses, rel=1e-5)
+    ours = _weights(group.model, "ma")
+    for key, value in alone_weights.items():
+        torch.testing.assert_close(ours[key], value, atol=1e-5, rtol=1e-5, msg=key)
+    no_dropout, _ = _alone(_cfg("ma"), _rows(), 3)
+    assert abs(losses[-1] - no_dropout[-1]) > 1e-4  # the masks were applied
+
+
 def test_the_first_member_leaving_or_every_member_leaving_does_not_stop_the_group():
     """peft keeps one active adapter name, the first member's; the group goes on when that member leaves, and
     when every member has left and a new one joins."""

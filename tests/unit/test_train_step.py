@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raylora.backends import resolve_backend
 from raylora.config import BackendArgs, LoraArgs, TrainArgs
 from raylora.models import attach_lora, randomise_lora, tiny_model
-from raylora.train.lm import training_model
+from raylora.train.lm import autocast_outputs, training_model
 from raylora.train.loop import train_step
 
 BACKEND = resolve_backend(BackendArgs(device="cpu", precision="fp32"))
@@ -144,7 +144,12 @@ def test_norm_and_rotary_outputs_come_in_bf16_under_autocast_and_train_within_bf
             ours(**batch)
         assert seen == [torch.bfloat16, torch.bfloat16]
         seen.clear()
-        _model()[0](**batch)  # fp32: no autocast, nothing cast
+        assert decoder.layers[0].input_layernorm(torch.randn(1, 3, 64)).dtype == torch.float32  # no autocast: no cast
+    assert autocast_outputs(ours.model.get_base_model(), torch.bfloat16) == 6  # again: no second hook
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        seen.clear()
+        ours(**batch)
+        assert seen == [torch.bfloat16, torch.bfloat16]
     # against fp32, the step errs by at most 1.25x (plus 1e-3) what it errs without the casts
     exact = _step(_model()[0], _rows(), 2, 1)
     got = _step(ours, _rows(), 2, 1, bf16)
@@ -170,6 +175,10 @@ def test_a_frozen_head_is_cast_once_and_scores_as_the_head_itself():
         loss_model.head = None
         assert torch.equal(loss_model(**batch), cached)
     assert _model()[0].head is None  # fp32: nothing to cast
+    model = attach_lora(tiny_model("llama"), LoraArgs(rank=4, alpha=8, target_modules=["all-linear"]))
+    model.get_base_model().get_output_embeddings().weight.requires_grad_(True)
+    trained_head, _ = training_model(model, TrainArgs(), bf16)
+    assert trained_head.head is None  # a trained head is read as it is at every step
 
 
 def test_recompute_checkpoints_every_nth_layer():
