@@ -47,6 +47,7 @@ bench: install
 	$(PY) bench/serve.py
 	$(PY) bench/train_throughput.py
 	$(PY) bench/lora_dropout.py
+	$(PY) bench/linear_ce.py
 	$(PY) bench/packed_attention.py
 
 lint: install
