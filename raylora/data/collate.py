@@ -33,17 +33,25 @@ def block_causal_mask(seq_lens: list[list[int]], width: int, dtype: torch.dtype 
     return mask[:, None]
 
 
+PAD_SEGMENT = 64  # longest segment of a row's padding
+
+
 def segment_bounds(seq_lens: list[list[int]], width: int) -> torch.Tensor:
     """Boundaries of the examples over the flattened ``(len(seq_lens) * width)`` tokens, int32, starting at 0:
-    each row's examples in order, then its padding (if any) as one more segment."""
+    each row's examples in order, then its padding (if any) in segments of at most :data:`PAD_SEGMENT` tokens.
+    Nothing reads what padding computes, so how it is cut changes no number; one long padding segment (a row
+    padded to a ``data.cutoff_len`` over 512, as a grouped sweep pads) would send the whole batch to the
+    per-example path of :mod:`raylora.ops.packed_attention`, which takes a batch in one call only when no segment
+    is longer than 512 tokens."""
     bounds = [0]
     for row, lens in enumerate(seq_lens):
         end = row * width
         for n in lens:
             end += n
             bounds.append(end)
-        if end < (row + 1) * width:
-            bounds.append((row + 1) * width)
+        while end < (row + 1) * width:
+            end = min(end + PAD_SEGMENT, (row + 1) * width)
+            bounds.append(end)
     return torch.tensor(bounds, dtype=torch.int32)
 
 

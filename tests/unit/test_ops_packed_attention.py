@@ -56,6 +56,8 @@ def _run(loss_model, batch: dict, autocast: bool = False):
 def test_segment_bounds_cover_each_example_then_the_row_s_padding():
     assert segment_bounds([[9, 6, 7], [11, 6]], WIDTH).tolist() == [0, 9, 15, 22, 24, 35, 41, 48]
     assert segment_bounds([[24], [10, 14]], WIDTH).tolist() == [0, 24, 34, 48]
+    # padding in segments of at most PAD_SEGMENT tokens
+    assert segment_bounds([[100], [200]], 200).tolist() == [0, 100, 164, 200, 400]
     assert collate_packs(_rows(), 0, width=WIDTH)["cu_seq_lens"].dtype == torch.int32
 
 
@@ -76,6 +78,19 @@ def test_packed_attention_equals_the_block_mask_in_loss_and_gradients(chunked):
 
     mine, theirs = errors(_run(ours, batch, autocast=True)), errors(_run(reference, batch, autocast=True))
     assert all(m <= 1.25 * t + 1e-3 for m, t in zip(mine, theirs, strict=True)), (mine, theirs)
+
+
+def test_padding_cut_into_short_segments_changes_no_loss_or_gradient(monkeypatch):
+    reference, ours = _pair(chunked=True)
+    whole = collate_packs(_rows(), 0, width=WIDTH)
+    exact = _run(reference, whole)
+    monkeypatch.setattr("raylora.data.collate.PAD_SEGMENT", 1)
+    cut = collate_packs(_rows(), 0, width=WIDTH)
+    assert len(cut["cu_seq_lens"]) == len(whole["cu_seq_lens"]) + 7  # the 2 + 7 padding tokens, one segment each
+    got = _run(ours, cut)
+    torch.testing.assert_close(got[0], exact[0], atol=1e-5, rtol=1e-5)
+    for name in exact[1]:
+        torch.testing.assert_close(got[1][name], exact[1][name], atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_each_example_attends_causally_on_its_own(monkeypatch):
