@@ -4,9 +4,10 @@ A pack row holds several examples. The block-causal 4D mask of :mod:`raylora.dat
 exactly its own logits, but sdpa then computes the whole T x T square of every row and masks most of it. Given
 the examples' boundaries over the flattened ``(B*T)`` tokens (flash-attention's ``cu_seqlens``, from
 :func:`raylora.data.collate.segment_bounds`), each example's causal attention runs on its own: the work is the
-sum of n_i^2 / 2 instead of T^2, and a causal kernel needs no mask (on CPU our own, :class:`CausalAttention`;
-elsewhere sdpa's). The math is the same; only the summation order differs. A row's padding is one more causal
-segment whose outputs nothing reads (its labels are ignored and it comes after every example of its row).
+sum of n_i^2 / 2 instead of T^2 (on CPU our own kernel, :class:`CausalAttention`, over all examples at once;
+elsewhere sdpa's, example by example). The math is the same; only the summation order differs. A row's padding
+is a few more causal segments whose outputs nothing reads (its labels are ignored and it comes after every
+example of its row).
 
 The function is registered with transformers' ``AttentionInterface`` under :data:`NAME`; without boundaries
 (evaluation through ``generate``, a model called directly) it is transformers' own sdpa attention.
