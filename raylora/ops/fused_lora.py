@@ -116,14 +116,15 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = active[0]
     a, b = self.lora_A[name].weight, self.lora_B[name].weight
     result = self.base_layer(x, *args, **kwargs)
+    p, training = _dropout(self)
 
     def dropped() -> torch.Tensor:
-        return lora_dropout(_lora_input(x, a), *_dropout(self))
+        return lora_dropout(_lora_input(x, a), p, training)
 
     down = self._raylora_group.down(self, x, name, dropped) if self._raylora_group is not None else None
     if down is None:
         down = F.linear(dropped(), a)
-    up = (b * (self.scaling[name] * dropout_scale(*_dropout(self)))).to(down.dtype)
+    up = (b * (self.scaling[name] * dropout_scale(p, training))).to(down.dtype)
     flat = torch.addmm(result.reshape(-1, result.shape[-1]).to(down.dtype), down.reshape(-1, down.shape[-1]), up.T)
     return flat.reshape(result.shape).to(result.dtype)
 

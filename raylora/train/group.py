@@ -563,10 +563,10 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if name not in self.lora_A:
             continue
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        p = getattr(self.lora_dropout[name], "p", 0.0)
 
-        def dropped(name=name, span=span, a=a) -> torch.Tensor:
+        def dropped(name=name, span=span, a=a, p=p) -> torch.Tensor:
             rows = x[span] if torch.is_autocast_enabled(x.device.type) else x[span].to(a.dtype)
-            p = getattr(self.lora_dropout[name], "p", 0.0)
             if not self.training or p == 0:
                 return rows
             return lora_dropout(rows, p, True, self._raylora_masks(name, self._raylora_name))
@@ -574,6 +574,6 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         down = self._raylora_group.down(self, x, name, dropped) if self._raylora_group is not None else None
         if down is None:
             down = F.linear(dropped(), a)
-        scale = self.scaling[name] * dropout_scale(getattr(self.lora_dropout[name], "p", 0.0), self.training)
+        scale = self.scaling[name] * dropout_scale(p, self.training)
         result[span].add_(F.linear(down, b * scale).to(result.dtype))
     return result
