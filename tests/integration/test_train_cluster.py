@@ -1,4 +1,6 @@
-"""Training on a `ray start`ed cluster through `ray job submit`, and across two Ray nodes."""
+"""Training on a `ray start`ed cluster through `ray job submit`, and across two Ray nodes.
+
+A sweep submitted with `ray job submit` to a `ray start`ed head is the demo's sweep stage (test_demo.py)."""
 
 import json
 import os
@@ -58,19 +60,6 @@ def submit(address: str, env: dict, root: Path, *args: str, runtime_env: dict | 
             return proc
         time.sleep(2)
     return proc
-
-
-def test_ray_job_submit_of_a_sweep_succeeds(head, tmp_path, root):
-    address, env, _ = head
-    proc = submit(
-        address, env, root, "jobs/tune.py", "configs/tiny_sweep_cpu.yaml", f"train.output_dir={tmp_path}/sweep",
-        f"data.output_dir={tmp_path}/data", "train.max_steps=2", "tune.num_samples=2", "tune.scheduler=none",
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "succeeded" in (proc.stdout + proc.stderr).lower()
-    assert len((tmp_path / "sweep" / "results.csv").read_text().splitlines()) == 3
-    assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_config.json").is_file()
 
 
 def test_ray_job_outputs_and_mlflow_artifacts_outlive_rays_temporary_folder(head, tmp_path, root):
