@@ -48,6 +48,7 @@ bench: install
 	$(PY) bench/train_throughput.py
 	$(PY) bench/lora_dropout.py
 	$(PY) bench/linear_ce.py
+	$(PY) bench/ray_helpers.py
 	$(PY) bench/packed_attention.py
 
 lint: install
