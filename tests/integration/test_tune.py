@@ -103,7 +103,7 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
     env = {**os.environ, "RAY_TMPDIR": ray_tmp}
     cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
            *overrides(tmp_path, "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
-                      "tune.max_concurrent=1", "tune.scheduler=none")]  # fmt: skip
+                      "tune.max_concurrent=1", "tune.scheduler=none", "train.max_steps=4")]  # fmt: skip
     driver = subprocess.Popen(
         cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

@@ -51,3 +51,10 @@ def test_cli_exits_2_before_anything_runs(ray_copy, capsys):
     assert main(["prepare", str(Path(__file__).parents[2] / "configs/tiny_lora_cpu.yaml")]) == 2
     assert "data.output_dir: 'outputs/tiny_lora_cpu/data' is relative" in capsys.readouterr().err
     assert not (ray_copy / "outputs").exists()
+
+
+def test_absolute_outputs_in_rays_copy_pass_unchanged(ray_copy, tmp_path):
+    """The refusal's first fix: a sweep submitted with absolute outputs and no RAYLORA_BASE_DIR runs as given."""
+    cfg = load_config(None, [f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data",
+                             f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])  # fmt: skip
+    assert anchor_outputs(cfg, "tune") == cfg
