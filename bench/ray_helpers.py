@@ -55,10 +55,10 @@ def packed_rows(tokenizer) -> list[dict]:
 
 
 def involuntary_switches(threads: list[int]) -> int:
-    """Involuntary context switches of these threads of this process so far."""
+    """Involuntary context switches so far of those of these threads of this process that are still alive."""
     total = 0
     for tid in threads:
-        with open(f"/proc/{os.getpid()}/task/{tid}/status") as f:
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{os.getpid()}/task/{tid}/status") as f:
             total += int(f.read().split("nonvoluntary_ctxt_switches:")[1].split()[0])
     return total
 
