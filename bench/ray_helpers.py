@@ -37,21 +37,13 @@ PACK = 512  # tokens per packed row, as the throughput benchmark's 2 x 512 micro
 
 
 def packed_rows(tokenizer) -> list[dict]:
-    """The alpaca rows, chat-encoded and prompt-masked, packed first-fit into rows of at most :data:`PACK` tokens,
-    each ``{"input_ids", "labels", "position_ids", "seq_lens", "num_tokens"}`` as prepared packs are."""
-    packs: list[dict] = []
-    for row in encode(alpaca_rows()[0], tokenizer):
-        ids, labels = row["input_ids"], row["labels"]
-        pack = next((p for p in packs if p["num_tokens"] + len(ids) <= PACK), None)
-        if pack is None:
-            pack = {"input_ids": [], "labels": [], "position_ids": [], "seq_lens": [], "num_tokens": 0}
-            packs.append(pack)
-        pack["input_ids"] += ids
-        pack["labels"] += labels
-        pack["position_ids"] += list(range(len(ids)))
-        pack["seq_lens"].append(len(ids))
-        pack["num_tokens"] += len(ids)
-    return packs
+    """The alpaca rows, chat-encoded and prompt-masked, packed as ``raylora prepare`` packs them (best-fit decreasing
+    into :data:`PACK` tokens, :func:`raylora.data.packing.join`), each with its ``num_tokens``."""
+    from raylora.data.packing import join, pack_lengths
+
+    examples = [(row["input_ids"], row["labels"]) for row in encode(alpaca_rows()[0], tokenizer)]
+    packs = [join([examples[i] for i in group]) for group in pack_lengths([len(ids) for ids, _ in examples], PACK)]
+    return [{**pack, "num_tokens": len(pack["input_ids"])} for pack in packs]
 
 
 def involuntary_switches(threads: list[int]) -> int:
