@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import ray
 
 
 def ensure_ray() -> None:
     """Start or join Ray once per process; a local cluster binds to 127.0.0.1 and logs no usage stats.
+
+    The local cluster stays on loopback only if Ray was first imported after raylora (see ``raylora/__init__``);
+    if not, this says so on stderr.
 
     A local cluster starts its dashboard (on 127.0.0.1, port 8265 or the next free one): Ray Train leaves a
     placement-group cleaner actor behind each run whose controller ends abruptly, as a sweep's stopped
@@ -22,6 +26,13 @@ def ensure_ray() -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     else:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=True, log_to_driver=True)
+        node = ray.util.get_node_ip_address()
+        if node != "127.0.0.1":
+            print(
+                f"warning: Ray started this local cluster on {node}, not 127.0.0.1: ray was imported before raylora "
+                "(which sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0); import raylora first or set that variable",
+                file=sys.stderr,
+            )
 
 
 def normal_priority() -> str:
