@@ -6,12 +6,20 @@ reads the (B, 1, T, T) block mask. Both take forward + backward steps on the sam
 rows of 3 and 4 examples (170/150/180 and 200/120/100/60 tokens, random ids), alternating, 2 torch threads.
 Medians of ``--steps`` steps after one warm-up are printed with the ratio.
 
+``--blocks``: our kernel splitting examples of ``SPLIT_FROM`` tokens or more into query blocks (shipped) against
+the same kernel computing each example's whole n x n square (``SPLIT_FROM`` set past any length: the kernel as
+it was before blocks), alternated in one process. First one example's attention alone, forward + backward, bf16,
+SmolLM2's heads, 128 to 512 tokens (median of 15 alternated runs); then whole training steps of the shipped model
+on the throughput benchmark's data (the shared alpaca samples chat-encoded and packed into 512-token rows as
+``raylora prepare`` packs them, micro-batches of 2 rows in the seeded epoch order), each micro-batch forward +
+backward both ways, in alternating order; real tokens/s of each and the ratio.
+
 ``--kernels``: one example's causal attention alone, forward + backward, bf16, SmolLM2's 9 query heads over 3
 key/value heads of 64, 2 threads, at 32 to 512 tokens: our CPU kernel (``CausalAttention``) against sdpa's 3-D
 call with grouped heads (math kernel) and its 4-D call with repeated key/value heads (flash kernel), median of
 10 runs after two warm-ups each, with each one's relative error against the fp32 result.
 
-    .venv/bin/python bench/packed_attention.py [--steps 6] [--kernels]
+    .venv/bin/python bench/packed_attention.py [--steps 6] [--kernels | --blocks [--batches 16]]
 """
 
 from __future__ import annotations
@@ -103,14 +111,73 @@ def kernels() -> None:
         print(f"{n} tokens: ours {faster / figures['ours (CausalAttention)']:.2f}x the faster sdpa kernel")
 
 
+def blocks(batches: int) -> None:
+    from raylora.data.packs import epoch_order
+    from raylora.model_files import load_tokenizer
+    from raylora.ops import packed_attention as packed
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ray_helpers import packed_rows
+    from train_throughput import SEED
+
+    shipped = packed.SPLIT_FROM
+    ways = {"whole square (baseline)": 10**9, "query blocks": shipped}
+    print(f"query blocks of about {packed.QUERY_BLOCK} rows from {shipped} tokens; load average before: "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    for n in (128, 192, 256, 320, 384, 448, 512):
+        gen = torch.Generator().manual_seed(n)
+        xs = [torch.randn(h, n, 64, generator=gen).bfloat16().requires_grad_() for h in (9, 3, 3)]
+        grad = torch.randn(9, n, 64, generator=gen).bfloat16()
+        times = {name: [] for name in ways}
+        for rep in range(17):
+            for name, split_from in ways.items() if rep % 2 == 0 else reversed(ways.items()):
+                packed.SPLIT_FROM = split_from
+                started = time.perf_counter()
+                torch.autograd.grad(packed.CausalAttention.apply(*xs, 0.125), xs, grad)
+                if rep >= 2:
+                    times[name].append(time.perf_counter() - started)
+        base, ours = (statistics.median(t) for t in times.values())
+        print(f"{n} tokens: whole square {base * 1e3:.2f} ms, query blocks {ours * 1e3:.2f} ms: {base / ours:.2f}x")
+    backend = resolve_backend(BackendArgs(device="cpu", precision="bf16"))
+    loss_model, notes = _model(backend, True)
+    print(f"training path: {'; '.join(notes)}")
+    tokenizer = load_tokenizer(ModelArgs(name_or_path="smollm2-135m-instruct"))
+    rows = packed_rows(tokenizer)
+    order = epoch_order(len(rows), SEED, 0)
+    seconds, tokens = {name: 0.0 for name in ways}, 0
+    for i in range(batches + 1):
+        pair = [rows[j] for j in order[2 * i : 2 * i + 2]]
+        batch = collate_packs(pair, tokenizer.pad_token_id, torch.bfloat16, 512)
+        for name, split_from in ways.items() if i % 2 == 0 else reversed(ways.items()):
+            packed.SPLIT_FROM = split_from
+            started = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_model(**batch)
+            loss.backward()
+            loss_model.zero_grad(set_to_none=True)
+            if i:  # the first micro-batch warms both up
+                seconds[name] += time.perf_counter() - started
+        tokens += sum(r["num_tokens"] for r in pair) if i else 0
+    packed.SPLIT_FROM = shipped
+    base, ours = (tokens / s for s in seconds.values())
+    print(f"training steps, {batches} micro-batches of 2 x 512 ({tokens} real tokens), forward + backward: whole "
+          f"square {base:.1f} real tokens/s, query blocks {ours:.1f}: {ours / base:.3f}x; load average after: "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--kernels", action="store_true", help="one example's attention kernels alone")
+    parser.add_argument("--blocks", action="store_true", help="query blocks against the whole square per example")
+    parser.add_argument("--batches", type=int, default=16, help="micro-batches of --blocks' training steps")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.kernels:
         kernels()
+        return
+    if args.blocks:
+        blocks(args.batches)
         return
     backend = resolve_backend(BackendArgs(device="cpu", precision="bf16"))
     models = {"sdpa over the block mask (baseline)": _model(backend, False), "packed attention": _model(backend, True)}

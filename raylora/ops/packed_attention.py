@@ -87,31 +87,52 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: floa
     return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling)[0]
 
 
-@functools.lru_cache(maxsize=32)
-def _causal_bias(n: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(group * n, n): 0 where a query may attend (key at or before it), -inf elsewhere, for ``group`` query heads
-    stacked one after another. Cached: every layer of a step sees the same example lengths (at most 32 entries:
-    48 MB for SmolLM2's 3-head groups at 512 tokens in bf16)."""
-    bias = torch.zeros(n, n, dtype=dtype, device=device)
-    return bias.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=device).triu_(1), float("-inf")).repeat(group, 1)
+QUERY_BLOCK = 128  # query rows per block of a long example (CausalAttention)
+SPLIT_FROM = 256  # example length (tokens) from which CausalAttention splits an example's queries into blocks
+
+
+def query_blocks(start: int, end: int) -> list[tuple[int, int]]:
+    """The query blocks of the example ``[start, end)``: the whole example below :data:`SPLIT_FROM` tokens, else
+    ``ceil(n / QUERY_BLOCK)`` blocks of near-equal size. Block ``[s, e)`` attends to the keys ``[start, e)``."""
+    n = end - start
+    count = 1 if n < SPLIT_FROM else -(-n // QUERY_BLOCK)
+    cuts = [start + n * i // count for i in range(count + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_bias(rows: int, keys: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(group * rows, keys): 0 where a query may attend, -inf elsewhere, for the last ``rows`` queries of an example
+    over its first ``keys`` keys (query i sits at position ``keys - rows + i``), for ``group`` query heads stacked
+    one after another. Cached: every layer of a step sees the same example lengths (at most 64 entries: 25 MB
+    for SmolLM2's 3-head groups in bf16, a block being at most 255 x 511 or 128 x 512)."""
+    bias = torch.zeros(rows, keys, dtype=dtype, device=device)
+    above = torch.ones(rows, keys, dtype=torch.bool, device=device).triu_(keys - rows + 1)
+    return bias.masked_fill_(above, float("-inf")).repeat(group, 1)
 
 
 class CausalAttention(torch.autograd.Function):
     """Causal attention of each segment (example) of a sequence on its own, in batched matrix products (two
-    forward, four backward per segment), for the CPU.
+    forward, four backward per query block), for the CPU.
 
     ``apply(q, k, v, scale, bounds=None)``: q (H, N, D), k and v (H_kv, N, D) -> (H, N, D); ``bounds``: the
     segments' boundaries ``(0, ..., N)`` (default: one segment). One autograd node for all segments: the
     gradients are written into whole (H, N, D) tensors, with no per-segment slices for autograd to zero-fill
     and sum. The query heads that share a key/value head are stacked, so one ``baddbmm`` per key head scores
-    them all (no repeated keys), adding the causal mask (cached per length) and scaling in the same call. Under
+    them all (no repeated keys), adding the causal mask (cached per shape) and scaling in the same call. Under
     autocast the products run in its dtype, as sdpa's would; scores, probabilities and their gradients stay in
     that dtype, and softmax and its backward (``dS = P * (dP - rowsum(dP * P))``, aten's own
     ``_softmax_backward_data``, the op autograd runs for softmax) accumulate in fp32 inside, so no fp32 copy of
-    the (H, n, n) scores is made. Against sdpa's CPU kernels, forward + backward on 2 cores, SmolLM2's 9 / 3
-    heads of 64, bf16: see ``bench/packed_attention.py --kernels``. The cost is memory: the probabilities,
-    (H, n, n) per segment and layer, are held until the backward (4.7 MB at 512 tokens in bf16, 30 layers:
-    141 MB), where the flash kernel keeps one value per row; hence :data:`OURS_UP_TO`.
+    the scores is made.
+
+    An example of :data:`SPLIT_FROM` tokens or more runs as blocks of about :data:`QUERY_BLOCK` queries
+    (:func:`query_blocks`), each scoring only the keys up to its last query: the masked upper-right blocks of the
+    n x n square are never computed (at 512 tokens, 4 blocks compute 62.5% of it), and a block's scores stay in
+    cache through softmax and the products. Against the whole square per example, forward + backward at 256 to
+    512 tokens, bf16, 2 threads: ``bench/packed_attention.py --kernels``. Against sdpa's CPU kernels: the same.
+    The cost is memory: the probabilities, (H, rows, keys) per block and layer, are held until the backward (2.9
+    MB for a 512-token example in bf16, 30 layers: 88 MB), where the flash kernel keeps one value per row; hence
+    :data:`OURS_UP_TO`.
     """
 
     @staticmethod
@@ -121,31 +142,36 @@ class CausalAttention(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         kv_heads, group = k.shape[0], q.shape[0] // k.shape[0]
-        segments = list(itertools.pairwise(bounds or (0, q.shape[1])))
+        blocks = [
+            (s, qs, qe) for s, e in itertools.pairwise(bounds or (0, q.shape[1])) for qs, qe in query_blocks(s, e)
+        ]
         out = torch.empty_like(q)
         probs = []
-        for s, e in segments:
-            stacked = q[:, s:e].reshape(kv_heads, -1, q.shape[2])  # (H_kv, group * n, D): the group's heads in turn
-            bias = _causal_bias(e - s, group, dtype, q.device)
-            probs.append(torch.baddbmm(bias, stacked, k[:, s:e].transpose(1, 2), alpha=scale).softmax(-1))
-            out[:, s:e] = torch.bmm(probs[-1], v[:, s:e]).view(q.shape[0], e - s, q.shape[2])
+        for s, qs, qe in blocks:
+            stacked = q[:, qs:qe].reshape(
+                kv_heads, -1, q.shape[2]
+            )  # (H_kv, group * rows, D): the group's heads in turn
+            bias = _causal_bias(qe - qs, qe - s, group, dtype, q.device)
+            probs.append(torch.baddbmm(bias, stacked, k[:, s:qe].transpose(1, 2), alpha=scale).softmax(-1))
+            out[:, qs:qe] = torch.bmm(probs[-1], v[:, s:qe]).view(q.shape[0], qe - qs, q.shape[2])
         ctx.save_for_backward(q, k, v, *probs)
-        ctx.scale, ctx.segments = scale, segments
+        ctx.scale, ctx.blocks = scale, blocks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, *probs = ctx.saved_tensors
         grad_out = grad_out.to(probs[0].dtype)
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # every block of an example adds to the gradients of the keys and values it read
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         kv_heads, dim = k.shape[0], k.shape[2]
-        for (s, e), p in zip(ctx.segments, probs, strict=True):
-            stacked = q[:, s:e].reshape(kv_heads, -1, dim)
-            grad = grad_out[:, s:e].reshape(kv_heads, -1, dim)
-            grad_v[:, s:e] = torch.bmm(p.transpose(1, 2), grad)
-            grad_scores = torch._softmax_backward_data(torch.bmm(grad, v[:, s:e].transpose(1, 2)), p, -1, p.dtype)
-            grad_q[:, s:e] = torch.bmm(grad_scores, k[:, s:e]).mul_(ctx.scale).view(-1, e - s, dim)
-            grad_k[:, s:e] = torch.bmm(grad_scores.transpose(1, 2), stacked).mul_(ctx.scale)
+        for (s, qs, qe), p in zip(ctx.blocks, probs, strict=True):
+            stacked = q[:, qs:qe].reshape(kv_heads, -1, dim)
+            grad = grad_out[:, qs:qe].reshape(kv_heads, -1, dim)
+            grad_v[:, s:qe].baddbmm_(p.transpose(1, 2), grad)
+            grad_scores = torch._softmax_backward_data(torch.bmm(grad, v[:, s:qe].transpose(1, 2)), p, -1, p.dtype)
+            grad_q[:, qs:qe] = torch.bmm(grad_scores, k[:, s:qe]).mul_(ctx.scale).view(-1, qe - qs, dim)
+            grad_k[:, s:qe].baddbmm_(grad_scores.transpose(1, 2), stacked, alpha=ctx.scale)
         return *(g.to(t) for g, t in zip((grad_q, grad_k, grad_v), ctx.dtypes, strict=True)), None, None
 
 

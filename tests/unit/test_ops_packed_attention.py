@@ -125,6 +125,44 @@ def test_one_call_over_many_segments_equals_each_segment_on_its_own():
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
+def test_long_examples_split_into_query_blocks_give_the_same_attention_and_gradients():
+    """fp32 at 1e-5: examples from SPLIT_FROM tokens up (their queries in blocks, each scoring only the keys up to
+    its last query) next to shorter ones, in one call, against the plain formula per example."""
+    lengths = [3, packed.SPLIT_FROM - 1, packed.SPLIT_FROM, 300, packed.OURS_UP_TO]
+    bounds = tuple(itertools.accumulate(lengths, initial=0))
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(h, bounds[-1], 16, generator=gen, requires_grad=True) for h in (4, 2, 2)]
+    grad = torch.randn(4, bounds[-1], 16, generator=gen)
+    out = packed.CausalAttention.apply(*inputs, 0.3, bounds)
+    got = torch.autograd.grad(out, inputs, grad)
+    pieces = [_causal_reference(*(x[:, s:e] for x in inputs), 0.3) for s, e in itertools.pairwise(bounds)]
+    expected = torch.cat(pieces, dim=1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(got, torch.autograd.grad(expected, inputs, grad), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, packed.SPLIT_FROM - 1, packed.SPLIT_FROM, 300, packed.OURS_UP_TO])
+def test_query_blocks_cover_an_example_in_near_equal_blocks(n):
+    blocks = packed.query_blocks(7, 7 + n)
+    assert blocks[0][0] == 7 and blocks[-1][1] == 7 + n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+    sizes = [e - s for s, e in blocks]
+    if n < packed.SPLIT_FROM:
+        assert sizes == [n]
+    else:
+        assert len(sizes) == -(-n // packed.QUERY_BLOCK) and max(sizes) - min(sizes) <= 1
+
+
+def test_a_block_s_mask_is_its_rows_of_the_example_s_causal_mask():
+    full = packed._causal_bias(10, 10, 1, torch.float32, torch.device("cpu"))
+    assert torch.equal(
+        full, torch.zeros(10, 10).masked_fill_(torch.ones(10, 10, dtype=torch.bool).triu_(1), -torch.inf)
+    )
+    block = packed._causal_bias(3, 7, 2, torch.float32, torch.device("cpu"))  # queries 4..6 over keys 0..6
+    assert torch.equal(block, full[4:7, :7].repeat(2, 1))
+
+
 def test_a_pack_with_an_example_past_our_kernel_goes_example_by_example(monkeypatch):
     """One example longer than OURS_UP_TO: that example takes sdpa, the others our kernel, one call each."""
     lengths = [3, packed.OURS_UP_TO + 2, 4]
