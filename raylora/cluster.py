@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import ray
 
 
 def ensure_ray() -> None:
-    """Start or join Ray once per process; a local cluster binds to 127.0.0.1 and logs no usage stats.
+    """Start or join Ray once per process: the cluster in RAY_ADDRESS, else the last ``ray start`` on this host
+    (whatever address it listens on), else a new local cluster on 127.0.0.1 that logs no usage stats.
 
-    The local cluster stays on loopback only if Ray was first imported after raylora (see ``raylora/__init__``);
-    if not, this says so on stderr.
-
-    A local cluster starts its dashboard (on 127.0.0.1, port 8265 or the next free one): Ray Train leaves a
-    placement-group cleaner actor behind each run whose controller ends abruptly, as a sweep's stopped
-    trials do, and that actor only exits once the dashboard's state API tells it the controller is gone.
-    Without it, every trial of a sweep left a 200 MB process polling until Ray shut down.
+    The new cluster stays on loopback because importing raylora, before Ray, turned off Ray's switch of a node's
+    127.0.0.1 to the host's routable address (``raylora/__init__.py``). It starts its dashboard (on 127.0.0.1,
+    port 8265 or the next free one): Ray Train leaves a placement-group cleaner actor behind each run whose
+    controller ends abruptly, as a sweep's stopped trials do, and that actor only exits once the dashboard's state
+    API tells it the controller is gone. Without it, every trial of a sweep left a 200 MB process polling until Ray
+    shut down.
     """
     if ray.is_initialized():
         return
@@ -25,14 +24,7 @@ def ensure_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=True, log_to_driver=True)
-        node = ray.util.get_node_ip_address()
-        if node != "127.0.0.1":
-            print(
-                f"warning: Ray started this local cluster on {node}, not 127.0.0.1: ray was imported before raylora "
-                "(which sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0); import raylora first or set that variable",
-                file=sys.stderr,
-            )
+        ray.init(include_dashboard=True, log_to_driver=True)
 
 
 def normal_priority() -> str:
