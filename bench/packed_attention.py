@@ -8,7 +8,7 @@ Medians of ``--steps`` steps after one warm-up are printed with the ratio.
 
 ``--blocks``: our kernel splitting examples of ``SPLIT_FROM`` tokens or more into query blocks (shipped) against
 the same kernel computing each example's whole n x n square (``SPLIT_FROM`` set past any length: the kernel as
-it was before blocks), alternated in one process. First one example's attention alone, forward + backward, bf16,
+it was before blocks, but for its zero-initialised key and value gradients), alternated in one process. First one example's attention alone, forward + backward, bf16,
 SmolLM2's heads, 128 to 512 tokens (median of 15 alternated runs); then whole training steps of the shipped model
 on the throughput benchmark's data (the shared alpaca samples chat-encoded and packed into 512-token rows as
 ``raylora prepare`` packs them, micro-batches of 2 rows in the seeded epoch order), each micro-batch forward +
@@ -158,7 +158,6 @@ def blocks(batches: int) -> None:
             if i:  # the first micro-batch warms both up
                 seconds[name] += time.perf_counter() - started
         tokens += sum(r["num_tokens"] for r in pair) if i else 0
-    packed.SPLIT_FROM = shipped
     base, ours = (tokens / s for s in seconds.values())
     print(f"training steps, {batches} micro-batches of 2 x 512 ({tokens} real tokens), forward + backward: whole "
           f"square {base:.1f} real tokens/s, query blocks {ours:.1f}: {ours / base:.3f}x; load average after: "

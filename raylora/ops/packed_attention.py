@@ -24,7 +24,7 @@ from torch import nn
 
 NAME = "raylora_packed"
 FLASH_FROM = 256  # example length (tokens) from which sdpa_attend() takes sdpa's 4-D (flash) path
-OURS_UP_TO = 512  # longest example (tokens) that CausalAttention takes on CPU: it holds (H, n, n) per example
+OURS_UP_TO = 512  # longest example (tokens) that CausalAttention takes on CPU: it holds its probabilities
 
 
 def packed_attention(
@@ -105,7 +105,7 @@ def _causal_bias(rows: int, keys: int, group: int, dtype: torch.dtype, device: t
     """(group * rows, keys): 0 where a query may attend, -inf elsewhere, for the last ``rows`` queries of an example
     over its first ``keys`` keys (query i sits at position ``keys - rows + i``), for ``group`` query heads stacked
     one after another. Cached: every layer of a step sees the same example lengths (at most 64 entries: 25 MB
-    for SmolLM2's 3-head groups in bf16, a block being at most 255 x 511 or 128 x 512)."""
+    for SmolLM2's 3-head groups in bf16: an unsplit example is at most 255 x 255, a block at most 128 x 512)."""
     bias = torch.zeros(rows, keys, dtype=dtype, device=device)
     above = torch.ones(rows, keys, dtype=torch.bool, device=device).triu_(keys - rows + 1)
     return bias.masked_fill_(above, float("-inf")).repeat(group, 1)
@@ -126,13 +126,14 @@ class CausalAttention(torch.autograd.Function):
     the scores is made.
 
     An example of :data:`SPLIT_FROM` tokens or more runs as blocks of about :data:`QUERY_BLOCK` queries
-    (:func:`query_blocks`), each scoring only the keys up to its last query: the masked upper-right blocks of the
-    n x n square are never computed (at 512 tokens, 4 blocks compute 62.5% of it), and a block's scores stay in
-    cache through softmax and the products. Against the whole square per example, forward + backward at 256 to
-    512 tokens, bf16, 2 threads: ``bench/packed_attention.py --kernels``. Against sdpa's CPU kernels: the same.
-    The cost is memory: the probabilities, (H, rows, keys) per block and layer, are held until the backward (2.9
-    MB for a 512-token example in bf16, 30 layers: 88 MB), where the flash kernel keeps one value per row; hence
-    :data:`OURS_UP_TO`.
+    (:func:`query_blocks`), each scoring only the keys up to its last query: of the square's masked half only the
+    triangles inside the diagonal blocks are computed (at 512 tokens, 4 blocks compute 62.5% of the square), and
+    a block's scores stay in cache through softmax and the products. Against the whole square per example,
+    forward + backward, bf16, 2 threads: ``bench/packed_attention.py --blocks``; against sdpa's CPU kernels:
+    ``--kernels``. Under autocast, each block adds its keys' and values' gradients to the example's in bf16 (4
+    roundings at 512 tokens; held to sdpa's error by the tests). The cost is memory: the probabilities, (H, rows,
+    keys) per block and layer, are held until the backward (2.9 MB for a 512-token example in bf16, 30 layers:
+    88 MB), where the flash kernel keeps one value per row; hence :data:`OURS_UP_TO`.
     """
 
     @staticmethod

@@ -233,7 +233,7 @@ def test_our_kernel_in_bf16_errs_about_as_much_as_sdpa_s():
 
 
 def test_examples_longer_than_our_kernel_takes_go_to_sdpa_s_flash_kernel(monkeypatch):
-    """Our kernel holds (H, n, n) probabilities per example for the backward; past OURS_UP_TO tokens the CPU takes
+    """Our kernel holds each example's probabilities for the backward; past OURS_UP_TO tokens the CPU takes
     sdpa's flash path, which holds one value per row."""
     used = []
     monkeypatch.setattr(packed.CausalAttention, "apply", lambda *args: used.append("ours") or _causal_reference(*args))
