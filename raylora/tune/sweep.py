@@ -27,6 +27,7 @@ from raylora.backends import worker_plan
 from raylora.cluster import ensure_ray
 from raylora.config import ConfigError, JobConfig, to_dict
 from raylora.data.pipeline import training_data
+from raylora.data.sources import plan_sources
 from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
 from raylora.train.fit import TrainingError, check_enough, datasets, flatten, save_outputs
 from raylora.tune import groups, space
@@ -69,6 +70,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             [("data.streaming", "a sweep prepares its data once for every trial; set data.streaming=false")],
             "the sweep",
         )
+    plan_sources(cfg.data)  # a mistyped data path fails in a second, not after a cluster has started
     ensure_ray()
     at_once = trials_at_once(cfg)
     if cfg.tracking.enabled:

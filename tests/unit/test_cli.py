@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from raylora.cli import COMMANDS, main
 
 
@@ -65,6 +67,19 @@ def test_serve_lists_every_problem_before_touching_ray(tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "calibrates on data.sources" in err and "is a file" in err
+    import ray
+
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("command", ["train", "tune"])
+def test_a_missing_data_file_is_reported_before_touching_ray(command, tmp_path, capsys):
+    """A typo in a data path fails in a second, not after starting a cluster (Ray is never started here)."""
+    config = "configs/tiny_sweep_cpu.yaml" if command == "tune" else "configs/tiny_lora_cpu.yaml"
+    args = [command, config, f"data.sources=[{{path: {tmp_path}/nope.jsonl}}]", f"train.output_dir={tmp_path}/out"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/nope.jsonl matches no data file" in err
     import ray
 
     assert not ray.is_initialized()
