@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import ray
@@ -48,3 +49,24 @@ def normal_priority() -> str:
     except PermissionError:
         return f"niceness {found}, Ray's default for workers (RAY_worker_niceness=0 when starting Ray trains at 0)"
     return f"niceness {found} -> 0 (Ray starts workers at {found})"
+
+
+def stop_cluster(temp_dir: str) -> None:
+    """Stop the processes of the cluster whose Ray files are in ``temp_dir`` (never another cluster's): those whose
+    command line names it, and every process they started (the raylet's agents rename themselves and would
+    outlive it); SIGTERM, then SIGKILL after 5 s (the GCS server and the raylet ignored SIGTERM for 10-20 s)."""
+    import psutil
+
+    ours = {}
+    for p in psutil.process_iter(["cmdline"]):
+        if temp_dir in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
+            ours[p.pid] = p
+            with contextlib.suppress(psutil.Error):
+                ours.update((c.pid, c) for c in p.children(recursive=True))
+    for p in ours.values():
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(list(ours.values()), timeout=5)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()

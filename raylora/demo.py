@@ -40,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from raylora.cluster import stop_cluster
 from raylora.config import ConfigError, JobConfig, to_dict
 
 STAGES = ("prepare", "before", "train", "sweep", "serve", "report")
@@ -504,21 +505,3 @@ def render_report(report: dict[str, Any], cfg: JobConfig) -> str:
         f"openai: {urls['openai']}",
     ]
     return "\n".join(lines)
-
-
-def stop_cluster(temp_dir: str) -> None:
-    """Stop the processes of the cluster whose Ray files are in ``temp_dir`` (never another cluster's):
-    SIGTERM, then SIGKILL after 15 s."""
-    import psutil
-
-    ours = []
-    for p in psutil.process_iter(["cmdline"]):
-        if temp_dir in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
-            ours.append(p)
-    for p in ours:
-        with contextlib.suppress(psutil.Error):
-            p.terminate()
-    _, alive = psutil.wait_procs(ours, timeout=15)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()

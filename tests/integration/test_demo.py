@@ -11,8 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import mlflow
-from processes import stop_processes
 
+from raylora.cluster import stop_cluster
 from raylora.serve.launch import free_port
 
 BIN = Path(sys.executable).parent
@@ -82,7 +82,7 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
         assert isinstance(reply["choices"][0]["message"]["content"], str)
     finally:
         if report is not None:
-            stop_processes(report["cluster"]["temp_dir"])
+            stop_cluster(report["cluster"]["temp_dir"])
             shutil.rmtree(report["cluster"]["temp_dir"], ignore_errors=True)
 
 

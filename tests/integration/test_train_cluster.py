@@ -15,9 +15,9 @@ from pathlib import Path
 import mlflow
 import pytest
 import ray
-from processes import stop_processes
 from ray.cluster_utils import Cluster
 
+from raylora.cluster import stop_cluster
 from raylora.config import load_config
 from raylora.serve.launch import free_port
 from raylora.train.fit import fit
@@ -44,7 +44,7 @@ def head():
     try:
         yield f"http://127.0.0.1:{dashboard}", env, temp_dir
     finally:
-        stop_processes(temp_dir)
+        stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -79,7 +79,7 @@ def test_ray_job_outputs_and_mlflow_artifacts_outlive_rays_temporary_folder(head
         progress
     )
     assert not [line for line in console if "Reporting training result" in line]
-    stop_processes(temp_dir)
+    stop_cluster(temp_dir)
     shutil.rmtree(temp_dir)
     assert (tmp_path / "outputs" / "tiny_lora_cpu" / "adapter" / "adapter_model.safetensors").is_file()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

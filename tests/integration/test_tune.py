@@ -12,8 +12,8 @@ from pathlib import Path
 import mlflow
 import pytest
 from peft import PeftModel
-from processes import stop_processes
 
+from raylora.cluster import stop_cluster
 from raylora.config import load_config
 from raylora.models import tiny_model
 from raylora.tune.sweep import sweep
@@ -117,9 +117,9 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-        stop_processes(ray_tmp)
+        stop_cluster(ray_tmp)
     resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    stop_processes(ray_tmp)
+    stop_cluster(ray_tmp)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((first / "workers" / "rank0.json").read_text())["pid"] == finished_pid  # not rerun
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]

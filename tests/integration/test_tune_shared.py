@@ -20,8 +20,8 @@ from pathlib import Path
 import mlflow
 import pytest
 from peft import PeftModel
-from processes import stop_processes
 
+from raylora.cluster import stop_cluster
 from raylora.config import load_config
 from raylora.models import tiny_model
 from raylora.tune.sweep import sweep
@@ -110,10 +110,10 @@ def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_pa
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-        stop_processes(ray_tmp)
+        stop_cluster(ray_tmp)
     assert len(joined) == 3 and ended() >= 2, "the first two trials never ended while the third trained"
     resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    stop_processes(ray_tmp)
+    stop_cluster(ray_tmp)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in finished} == finished  # neither finished trial joined a group again
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
