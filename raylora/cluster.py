@@ -10,7 +10,8 @@ import ray
 
 def ensure_ray() -> None:
     """Start or join Ray once per process: the cluster in RAY_ADDRESS, else the last ``ray start`` on this host
-    (whatever address it listens on), else a new local cluster on 127.0.0.1 that logs no usage stats.
+    (whatever address it listens on), else (or with RAY_ADDRESS=local) a new local cluster on 127.0.0.1 that logs no
+    usage stats.
 
     The new cluster stays on loopback because importing raylora, before Ray, turned off Ray's switch of a node's
     127.0.0.1 to the host's routable address (``raylora/__init__.py``). It starts its dashboard (on 127.0.0.1,
@@ -22,10 +23,11 @@ def ensure_ray() -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address not in (None, "local"):
+        ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(include_dashboard=True, log_to_driver=True)
+        ray.init(address=address, include_dashboard=True, log_to_driver=True)
 
 
 def normal_priority() -> str:
@@ -53,16 +55,19 @@ def normal_priority() -> str:
 
 def stop_cluster(temp_dir: str) -> None:
     """Stop the processes of the cluster whose Ray files are in ``temp_dir`` (never another cluster's): those whose
-    command line names it, and every process they started (the raylet's agents rename themselves and would
-    outlive it); SIGTERM, then SIGKILL after 5 s (the GCS server and the raylet ignored SIGTERM for 10-20 s)."""
+    command line names it, and whatever its raylets started (their agents rename themselves and would outlive them),
+    never the calling process or its ancestors; SIGTERM, then SIGKILL after 5 s (the GCS server and the raylet
+    ignored SIGTERM for 10-20 s)."""
     import psutil
 
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     ours = {}
-    for p in psutil.process_iter(["cmdline"]):
-        if temp_dir in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
+    for p in psutil.process_iter(["cmdline", "name"]):
+        if temp_dir in " ".join(p.info["cmdline"] or []) and p.pid not in spared:
             ours[p.pid] = p
-            with contextlib.suppress(psutil.Error):
-                ours.update((c.pid, c) for c in p.children(recursive=True))
+            if p.info["name"] == "raylet":
+                with contextlib.suppress(psutil.Error):
+                    ours.update((c.pid, c) for c in p.children(recursive=True) if c.pid not in spared)
     for p in ours.values():
         with contextlib.suppress(psutil.Error):
             p.terminate()
@@ -70,3 +75,4 @@ def stop_cluster(temp_dir: str) -> None:
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()
+    psutil.wait_procs(alive, timeout=5)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from raylora.config import JobConfig
+from raylora.data.sources import DataError, plan_sources
 
 APP_NAME = "raylora"
 
@@ -31,8 +32,16 @@ def check_serve(cfg: JobConfig) -> list[str]:
         from raylora.serve.vllm import check_vllm_config
 
         return check_vllm_config(cfg, backend)
-    if cfg.serve.quantization == "w8a8-smoothquant" and not cfg.data.sources:
-        problems.append("serve.quantization=w8a8-smoothquant calibrates on data.sources: name at least one data file")
+    if cfg.serve.quantization == "w8a8-smoothquant":
+        if not cfg.data.sources:
+            problems.append(
+                "serve.quantization=w8a8-smoothquant calibrates on data.sources: name at least one data file"
+            )
+        else:
+            try:
+                plan_sources(cfg.data)
+            except DataError as e:
+                problems.append(f"serve.quantization=w8a8-smoothquant calibrates on data.sources, which has {e}")
     root = Path(cfg.serve.adapter_root)
     if root.exists() and not root.is_dir():
         problems.append(f"serve.adapter_root={root} is a file; it must be a folder of adapters")

@@ -1,9 +1,7 @@
-"""A local cluster that raylora starts stays on 127.0.0.1, whatever the host's routable address.
+"""Clusters raylora starts: a local one stays on 127.0.0.1 whatever the host's routable address, and stopping one
+stops every process it started."""
 
-A fresh interpreter, as `raylora train` or `python jobs/train.py` is: Ray reads the setting that keeps a
-127.0.0.1 node address on loopback when it is first imported, and this process imported it long ago.
-"""
-
+import contextlib
 import os
 import shutil
 import subprocess
@@ -12,7 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from raylora.cluster import stop_cluster
+from raylora.serve.launch import free_port
 
 SCRIPT = """
 from raylora.cluster import ensure_ray
@@ -24,6 +25,8 @@ ray.shutdown()
 
 
 def test_a_local_cluster_started_by_raylora_binds_to_loopback():
+    """In a fresh interpreter, as `raylora train` or `python jobs/train.py` is: Ray reads the setting that keeps a
+    127.0.0.1 node address on loopback when it is first imported, and this process imported it long ago."""
     temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
     env["RAY_TMPDIR"] = temp_dir
@@ -40,28 +43,47 @@ def test_a_local_cluster_started_by_raylora_binds_to_loopback():
 
 def test_stopping_a_cluster_leaves_none_of_its_processes():
     """`ray start`'s daemons carry the temp folder in their command lines, but the raylet's agents rename themselves
-    (ray::DashboardAgent, ray::RuntimeEnvAgent) and outlived the raylet: every descendant goes too."""
-    import psutil
-
+    (ray::DashboardAgent, ray::RuntimeEnvAgent) and outlived the raylet: they go too."""
     temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
-    ray = str(Path(sys.executable).with_name("ray"))
+    family: dict[int, psutil.Process] = {}
     try:
         subprocess.run(
-            [ray, "start", "--head", "--node-ip-address=127.0.0.1", "--port=0", "--include-dashboard=false",
-             "--num-cpus=1", f"--temp-dir={temp_dir}"],
+            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--node-ip-address=127.0.0.1",
+             f"--port={free_port()}", "--include-dashboard=false", "--num-cpus=1", f"--temp-dir={temp_dir}",
+             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+             f"--ray-client-server-port={free_port()}"],
             env=env, check=True, capture_output=True, timeout=120,
         )  # fmt: skip
-        time.sleep(3)  # the raylet starts its agents
-        started = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
-        family = {p.pid: p for p in started}
-        for p in started:
-            family.update({c.pid: c for c in p.children(recursive=True)})
-        names = {p.name() for p in family.values()}
-        assert any("Agent" in name for name in names), names  # the renamed ones are there to be stopped
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("Agent" in name for name in _names(family.values())):
+            time.sleep(0.5)  # the agents rename themselves once they are up
+            family = {
+                p.pid: p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])
+            }
+            for p in list(family.values()):
+                with contextlib.suppress(psutil.Error):
+                    family.update({c.pid: c for c in p.children(recursive=True)})
+        assert sum("Agent" in name for name in _names(family.values())) == 2, _names(family.values())
     finally:
         stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
-    alive = [p for p in family.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, [(p.pid, p.name()) for p in alive]
+    alive = [p for p in family.values() if _running(p)]
+    assert not alive, _names(alive)
+
+
+def _names(processes) -> list[str]:
+    names = []
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            names.append(p.name())
+    return names
+
+
+def _running(p) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -83,3 +83,14 @@ def test_a_missing_data_file_is_reported_before_touching_ray(command, tmp_path, 
     import ray
 
     assert not ray.is_initialized()
+
+
+def test_serve_reports_a_missing_calibration_file_before_touching_ray(tmp_path, capsys):
+    args = ["serve", "configs/tiny_serve_cpu.yaml", "serve.quantization=w8a8-smoothquant",
+            f"data.sources=[{{path: {tmp_path}/nope.json}}]"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "calibrates on data.sources, which has data problems" in err and f"{tmp_path}/nope.json matches no" in err
+    import ray
+
+    assert not ray.is_initialized()
