@@ -109,28 +109,19 @@ def test_each_example_attends_causally_on_its_own(monkeypatch):
     assert calls == [[9, 6, 7, 2, 11, 6, 7]] * layers  # one call per layer for the whole batch
 
 
-def test_one_call_over_many_segments_equals_each_segment_on_its_own():
-    """fp32 at 1e-5: :class:`CausalAttention` over segments of a flat sequence (one of them a single token)
-    gives each segment the plain formula's output and gradients, with nothing crossing a boundary."""
-    bounds = (0, 5, 6, 19, 40)
-    gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(h, 40, 16, generator=gen, requires_grad=True) for h in (4, 2, 2)]
-    grad = torch.randn(4, 40, 16, generator=gen)
-    out = packed.CausalAttention.apply(*inputs, 0.3, bounds)
-    got = torch.autograd.grad(out, inputs, grad)
-    pieces = [_causal_reference(*(x[:, s:e] for x in inputs), 0.3) for s, e in itertools.pairwise(bounds)]
-    expected = torch.cat(pieces, dim=1)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    for mine, theirs in zip(got, torch.autograd.grad(expected, inputs, grad), strict=True):
-        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
-
-
-def test_long_examples_split_into_query_blocks_give_the_same_attention_and_gradients():
-    """fp32 at 1e-5: examples from SPLIT_FROM tokens up (their queries in blocks, each scoring only the keys up to
-    its last query) next to shorter ones, in one call, against the plain formula per example."""
-    lengths = [3, packed.SPLIT_FROM - 1, packed.SPLIT_FROM, 300, packed.OURS_UP_TO]
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [5, 1, 13, 21],  # one segment a single token
+        [3, packed.SPLIT_FROM - 1, packed.SPLIT_FROM, 300, packed.OURS_UP_TO],  # the long ones in query blocks
+    ],
+)
+def test_one_call_over_many_segments_equals_each_segment_on_its_own(lengths):
+    """fp32 at 1e-5: :class:`CausalAttention` over segments of a flat sequence gives each segment the plain
+    formula's output and gradients, with nothing crossing a boundary; examples from SPLIT_FROM tokens up run as
+    query blocks, each scoring only the keys up to its last query."""
     bounds = tuple(itertools.accumulate(lengths, initial=0))
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(len(lengths))
     inputs = [torch.randn(h, bounds[-1], 16, generator=gen, requires_grad=True) for h in (4, 2, 2)]
     grad = torch.randn(4, bounds[-1], 16, generator=gen)
     out = packed.CausalAttention.apply(*inputs, 0.3, bounds)
