@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import sys
+from urllib.parse import urlparse
 
 import ray
 
 
 def ensure_ray() -> None:
     """Start or join Ray once per process: the cluster in RAY_ADDRESS, else the last ``ray start`` on this host
-    (whatever address it listens on), else (or with RAY_ADDRESS=local) a new local cluster on 127.0.0.1 that logs no
-    usage stats.
+    (whatever address it listens on), else (or with RAY_ADDRESS=local, or when that ``ray start`` is gone: Ray would
+    wait for it) a new local cluster on 127.0.0.1 that logs no usage stats.
 
     The new cluster stays on loopback because importing raylora, before Ray, turned off Ray's switch of a node's
     127.0.0.1 to the host's routable address (``raylora/__init__.py``). It starts its dashboard (on 127.0.0.1,
@@ -24,10 +27,37 @@ def ensure_ray() -> None:
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = os.environ.get("RAY_ADDRESS") or None
+    recorded = last_ray_start() if address is None else None
+    if recorded and (why := unanswered(recorded)):
+        print(
+            f"raylora: the last `ray start` on this host ({recorded}) does not answer ({why}); starting a local "
+            "cluster instead (`ray stop` makes Ray forget it)",
+            file=sys.stderr,
+        )
+        address = "local"
     if address not in (None, "local"):
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(address=address, include_dashboard=True, log_to_driver=True)
+
+
+def last_ray_start() -> str | None:
+    """The address the last ``ray start`` on this host recorded in Ray's temp folder (``ray stop`` clears it)."""
+    from ray._private.utils import read_ray_address
+
+    address = read_ray_address()
+    return address if address not in (None, "", "local", "auto") else None
+
+
+def unanswered(address: str) -> str | None:
+    """Why a Ray address (``host:port``, or a ``ray://`` or ``http://`` URL) takes no TCP connection within 2 s;
+    ``None`` when it does."""
+    parsed = urlparse(address if "://" in address else f"ray://{address}")
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port), timeout=2):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 def normal_priority() -> str:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import socket
-from urllib.parse import urlparse
 
 from raylora.backends import BackendError, install_rows, resolve_backend
+from raylora.cluster import last_ray_start, unanswered
 from raylora.comm.hooks import check_hook
 from raylora.config import JobConfig
 from raylora.tracking import tracking_uri
@@ -53,23 +52,18 @@ def check(cfg: JobConfig) -> tuple[list[tuple[str, str]], list[str]]:
 
 def ray_cluster() -> tuple[str, str | None]:
     """Where a running Ray cluster is, if any: ``RAY_ADDRESS``, else the last ``ray start`` on this host."""
-    from ray._private.utils import read_ray_address
-
-    address = os.environ.get("RAY_ADDRESS") or read_ray_address()
+    address = os.environ.get("RAY_ADDRESS") or last_ray_start()
     if not address or address in ("local", "auto"):
         return "none running (jobs start a local cluster on 127.0.0.1)", None
-    parsed = urlparse(address if "://" in address else f"ray://{address}")
-    host, port = parsed.hostname, parsed.port
-    try:
-        with socket.create_connection((host, port), timeout=2):
-            return f"{address} reachable", None
-    except OSError as e:
-        if not os.environ.get("RAY_ADDRESS"):  # a stale address file: jobs will start their own cluster
-            return f"none running (last `ray start` at {address} is gone; jobs start a local cluster)", None
-        return f"{address} UNREACHABLE ({e.strerror or e})", (
-            f"RAY_ADDRESS={address} does not answer: start a cluster with "
-            "`ray start --head --node-ip-address=127.0.0.1`, or unset RAY_ADDRESS to let jobs start a local one."
-        )
+    why = unanswered(address)
+    if why is None:
+        return f"{address} reachable", None
+    if not os.environ.get("RAY_ADDRESS"):  # a stale address file: jobs start their own cluster (ensure_ray)
+        return f"none running (last `ray start` at {address} is gone; jobs start a local cluster)", None
+    return f"{address} UNREACHABLE ({why})", (
+        f"RAY_ADDRESS={address} does not answer: start a cluster with "
+        "`ray start --head --node-ip-address=127.0.0.1`, or unset RAY_ADDRESS to let jobs start a local one."
+    )
 
 
 def render(rows: list[tuple[str, str]], problems: list[str]) -> str:

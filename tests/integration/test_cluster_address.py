@@ -24,21 +24,39 @@ ray.shutdown()
 """
 
 
-def test_a_local_cluster_started_by_raylora_binds_to_loopback():
-    """In a fresh interpreter, as `raylora train` or `python jobs/train.py` is: Ray reads the setting that keeps a
-    127.0.0.1 node address on loopback when it is first imported, and this process imported it long ago."""
+def start_local_cluster(stale_address: str | None = None) -> tuple[str, str, str]:
+    """``(node address, GCS address, stderr)`` of the cluster ``ensure_ray`` starts in a fresh interpreter, as
+    `raylora train` or `python jobs/train.py` does (Ray reads the setting that keeps a 127.0.0.1 node address on
+    loopback when it is first imported, and this process imported it long ago); with ``stale_address``, Ray's file
+    names a `ray start` at that address that is gone."""
     temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    if stale_address:
+        (Path(temp_dir) / "ray").mkdir()
+        (Path(temp_dir) / "ray" / "ray_current_cluster").write_text(stale_address)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
     env["RAY_TMPDIR"] = temp_dir
     try:
-        done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=180)
+        done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=90)
     finally:
         stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     node, gcs = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("node "))
+    return node, gcs, done.stderr
+
+
+def test_a_local_cluster_started_by_raylora_binds_to_loopback():
+    node, gcs, _ = start_local_cluster()
     assert node == "127.0.0.1"
     assert gcs.startswith("127.0.0.1:")
+
+
+def test_a_ray_start_that_is_gone_gives_way_to_a_local_cluster():
+    """Ray's file still names the last `ray start`, killed without `ray stop`: Ray would wait for it and fail."""
+    dead = f"127.0.0.1:{free_port()}"
+    node, _, err = start_local_cluster(stale_address=dead)
+    assert node == "127.0.0.1"
+    assert f"the last `ray start` on this host ({dead}) does not answer" in err
 
 
 def test_stopping_a_cluster_leaves_none_of_its_processes():
