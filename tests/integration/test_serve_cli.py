@@ -16,7 +16,7 @@ from raylora.serve.launch import free_port, port_holder
 RAYLORA = str(Path(sys.executable).with_name("raylora"))
 
 
-def _session_processes(ray_tmp: Path) -> list[psutil.Process]:
+def _session_processes(ray_tmp: str) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         if str(ray_tmp) in " ".join(p.info["cmdline"] or []):
@@ -25,10 +25,8 @@ def _session_processes(ray_tmp: Path) -> list[psutil.Process]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_serve_stops_cleanly_on_a_signal(signum, tmp_path):
+def test_serve_stops_cleanly_on_a_signal(signum, tmp_path, ray_tmp):
     port = free_port()
-    ray_tmp = Path(f"/tmp/rl-{os.getpid()}-{signum}")
-    ray_tmp.mkdir(exist_ok=True)
     proc = subprocess.Popen(
         [RAYLORA, "serve", "configs/tiny_serve_cpu.yaml", f"serve.port={port}",
          f"serve.adapter_root={tmp_path / 'adapters'}", "serve.cpus_per_replica=0.5"],

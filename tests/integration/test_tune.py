@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -98,8 +97,7 @@ def test_a_trial_that_diverges_fails_and_is_never_the_best(ray_session, tmp_path
     assert len(runs) == 1 and runs[0].info.status == "FAILED"
 
 
-def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
-    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
     env = {**os.environ, "RAY_TMPDIR": ray_tmp}
     cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
            *overrides(tmp_path, "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -80,11 +79,10 @@ def test_each_trial_has_its_mlflow_child_run(swept):
         assert steps == list(range(2, 2 * len(steps) + 1, 2)) and "eval_loss" in child.data.metrics
 
 
-def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path):
+def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
     """Two trials share a group (on both cores, so in two lanes) and finish; the driver is killed while the third
     trains; ``--resume`` restores the sweep with Tune: the finished two are not rerun (their join records are
     untouched) and the third completes."""
-    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
     # Tune saves the sweep's state every 10 s or so by default: a trial that ended since the last save is rerun.
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TUNE_GLOBAL_CHECKPOINT_S": "0.5"}
     # one group on both cores: its two members run in two lanes
