@@ -22,6 +22,7 @@ from raylora.comm.hooks import check_hook
 from raylora.config import JobConfig, to_dict
 from raylora.data.pipeline import DataError, TrainingData, training_data
 from raylora.data.sources import plan_sources
+from raylora.models import model_skeleton, target_modules
 from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
 from raylora.train.plot import plot_history
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
@@ -87,6 +88,7 @@ def check_before_data(cfg: JobConfig) -> None:
     Starts or joins Ray, after the checks that need no cluster.
     Raises:
         BackendError: the device asked for is missing, or its collectives cannot carry ``train.comm_hook``.
+        ModelError: the base model is missing, or ``lora.target_modules`` names a layer it lacks (before Ray starts).
         DataError: a data source is missing or unreadable (every such problem listed, before Ray starts).
         DataError: the workers would not leave the streamed pipeline a CPU (``data.streaming``).
         TrainingError: the workers ask for more CPUs or devices than the cluster has (Ray would wait forever).
@@ -94,6 +96,7 @@ def check_before_data(cfg: JobConfig) -> None:
     """
     check_hook(cfg.train, planned_backend(cfg.backend))  # a missing device, or a hook it cannot run, fails first
     plan_sources(cfg.data)  # a mistyped data path fails in a second, not after a cluster has started
+    target_modules(model_skeleton(cfg.model), cfg.lora.target_modules)  # so do a mistyped model or layer name
     _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     if cfg.tracking.enabled:
         check_reachable(tracking_uri(cfg.tracking))

@@ -32,6 +32,7 @@ from typing import Any
 
 from raylora.config import ConfigError, JobConfig, from_dict, to_dict
 from raylora.data.packs import read_packs, worker_share
+from raylora.tune.space import problem_key, trial_values
 
 HOLD_GRACE = 0.5  # seconds a group that has members to step waits for Tune to answer its held members' reports
 
@@ -49,8 +50,7 @@ def check(cfg: JobConfig) -> None:
     """Refuse what a grouped sweep (``tune.trials_per_group > 1``) cannot run, naming each trial value and field.
 
     Raises:
-        ConfigError: a searched key that members must share, DoRA, a ``torch.compile`` or ``comm_hook`` job, or
-            target modules (the job's, or a searched value) that are not Linear layers of the base model.
+        ConfigError: a searched key that members must share, DoRA, a ``torch.compile`` or ``comm_hook`` job.
     """
     k = cfg.tune.trials_per_group
     problems: list[tuple[str, str]] = []
@@ -65,45 +65,12 @@ def check(cfg: JobConfig) -> None:
         )
     if cfg.train.compile:
         problems.append(("train.compile", f"is not supported with tune.trials_per_group={k}; set it to false"))
-    for value in _values(cfg, "lora.use_dora"):
+    for value in trial_values(cfg, "lora.use_dora"):
         if value:
-            problems.append((_where(cfg, "lora.use_dora"), "a trial with lora.use_dora=true: DoRA cannot be grouped; "
+            problems.append((problem_key(cfg, "lora.use_dora"), "a trial with lora.use_dora=true: DoRA cannot be grouped; "
                              "set tune.trials_per_group=1 or lora.use_dora=false"))  # fmt: skip
-    problems += _check_targets(cfg)
     if problems:
         raise ConfigError(problems, "the grouped sweep")
-
-
-def _values(cfg: JobConfig, key: str) -> list[Any]:
-    """Every value a trial may take for ``key``: the listed values of its search entry, else the job's own."""
-    spec = cfg.tune.space.get(key)
-    if isinstance(spec, dict) and next(iter(spec)) in ("choice", "grid"):
-        return list(next(iter(spec.values())))
-    section, name = key.split(".")
-    return [getattr(getattr(cfg, section), name)]
-
-
-def _where(cfg: JobConfig, key: str) -> str:
-    return f"tune.space.{key}" if key in cfg.tune.space else key
-
-
-def _check_targets(cfg: JobConfig) -> list[tuple[str, str]]:
-    from raylora.model_files import ModelError
-    from raylora.models import model_skeleton, target_modules
-
-    try:
-        skeleton = model_skeleton(cfg.model)
-    except ModelError as e:
-        return [("model.name_or_path", str(e))]
-    problems = []
-    for value in _values(cfg, "lora.target_modules"):
-        try:
-            target_modules(skeleton, list(value))
-        except ModelError as e:
-            problems.append(
-                (_where(cfg, "lora.target_modules"), f"a trial with lora.target_modules={list(value)}: {e}")
-            )
-    return problems
 
 
 def plan(cfg: JobConfig, worker_slots: int) -> tuple[int, int]:

@@ -42,7 +42,8 @@ def check(cfg: JobConfig) -> None:
         ConfigError: an empty or malformed space, an unknown distribution or key, low >= high, a
             non-number where one is needed, a value the key does not accept, grid search over a
             continuous distribution, ``search: optuna`` without optuna, a metric training does not
-            report for this job, ASHA without evaluations.
+            report for this job, ASHA without evaluations, a missing base model, target modules (the job's, or
+            a searched value) that are not Linear layers of the base model.
     """
     problems: list[tuple[str, str]] = []
     tune = cfg.tune
@@ -92,8 +93,45 @@ def check(cfg: JobConfig) -> None:
             check_name(tune.register_as)
         except AdapterError as e:
             problems.append(("tune.register_as", str(e)))
+    if "tune.space.lora.target_modules" not in dict(problems):  # values of the wrong type are reported already
+        problems += _check_targets(cfg)
     if problems:
         raise ConfigError(problems, "the sweep")
+
+
+def trial_values(cfg: JobConfig, key: str) -> list[Any]:
+    """Every value a trial may take for ``key``: the listed values of its search entry, else the job's own."""
+    spec = cfg.tune.space.get(key)
+    if isinstance(spec, dict) and next(iter(spec)) in ("choice", "grid"):
+        return list(next(iter(spec.values())))
+    section, name = key.split(".")
+    return [getattr(getattr(cfg, section), name)]
+
+
+def problem_key(cfg: JobConfig, key: str) -> str:
+    """Where a problem with ``key``'s trial values lies: its search entry, else the job's own key."""
+    return f"tune.space.{key}" if key in cfg.tune.space else key
+
+
+def _check_targets(cfg: JobConfig) -> list[tuple[str, str]]:
+    """A missing base model, or each trial value of ``lora.target_modules`` that names a layer it lacks (checked on
+    the model's skeleton: no weights are read)."""
+    from raylora.model_files import ModelError
+    from raylora.models import model_skeleton, target_modules
+
+    try:
+        skeleton = model_skeleton(cfg.model)
+    except ModelError as e:
+        return [("model.name_or_path", str(e))]
+    problems = []
+    for value in trial_values(cfg, "lora.target_modules"):
+        try:
+            target_modules(skeleton, list(value))
+        except ModelError as e:
+            problems.append(
+                (problem_key(cfg, "lora.target_modules"), f"a trial with lora.target_modules={list(value)}: {e}")
+            )
+    return problems
 
 
 def _check_entry(cfg: JobConfig, key: str, spec: Any) -> list[tuple[str, str]]:

@@ -85,6 +85,27 @@ def test_a_missing_data_file_is_reported_before_touching_ray(command, tmp_path, 
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize(("command", "rc"), [("train", 1), ("tune", 2)])
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("lora.target_modules=[q_proj, wq]", "wq match no Linear layer of LlamaForCausalLM"),
+        ("model.name_or_path={tmp}/missing", "model.name_or_path: {tmp}/missing does not exist"),
+    ],
+)
+def test_a_mistyped_model_or_layer_name_is_reported_before_touching_ray(command, rc, override, said, tmp_path, capsys):
+    """Found by use: both failed inside the job, after a cluster had started (the layer name in the Ray Train
+    worker, with its traceback printed by every actor that saw it)."""
+    config = "configs/tiny_sweep_cpu.yaml" if command == "tune" else "configs/tiny_lora_cpu.yaml"
+    args = [command, config, override.format(tmp=tmp_path), f"train.output_dir={tmp_path}/out"]
+    assert main(args) == rc
+    err = capsys.readouterr().err
+    assert said.format(tmp=tmp_path) in err and "Traceback" not in err
+    import ray
+
+    assert not ray.is_initialized()
+
+
 def test_serve_reports_a_missing_calibration_file_before_touching_ray(tmp_path, capsys):
     args = ["serve", "configs/tiny_serve_cpu.yaml", "serve.quantization=w8a8-smoothquant",
             f"data.sources=[{{path: {tmp_path}/nope.json}}]"]  # fmt: skip
