@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 if args.detach:
-                    print(f"raylora serve: {start(cfg)}/v1 is ready (OpenAI API)")
+                    print(f"raylora serve: {start(cfg, detach=True)}/v1 is ready (OpenAI API)")
                 else:
                     serve_forever(cfg)
             except ServeSetupError as e:

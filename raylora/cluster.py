@@ -26,19 +26,30 @@ def ensure_ray() -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = os.environ.get("RAY_ADDRESS") or None
-    recorded = last_ray_start() if address is None else None
-    if recorded and (why := unanswered(recorded)):
-        print(
-            f"raylora: the last `ray start` on this host ({recorded}) does not answer ({why}); starting a local "
-            "cluster instead (`ray stop` makes Ray forget it)",
-            file=sys.stderr,
-        )
-        address = "local"
-    if address not in (None, "local"):
+    address, passed_over = cluster_to_join()
+    if passed_over:
+        print(passed_over, file=sys.stderr)
+    if address is not None:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(address=address, include_dashboard=True, log_to_driver=True)
+        ray.init(address="local", include_dashboard=True, log_to_driver=True)
+
+
+def cluster_to_join() -> tuple[str | None, str | None]:
+    """``(address, note)``: the running cluster :func:`ensure_ray` joins (``None``: it starts a new one), and why
+    the last ``ray start`` on this host is passed over, if it is."""
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address == "local":
+        return None, None
+    if address not in (None, "auto"):
+        return address, None
+    recorded = last_ray_start()
+    if address is None and recorded and (why := unanswered(recorded)):
+        return None, (
+            f"raylora: the last `ray start` on this host ({recorded}) does not answer ({why}); starting a local "
+            "cluster instead (`ray stop` makes Ray forget it)"
+        )
+    return recorded or address, None
 
 
 def last_ray_start() -> str | None:

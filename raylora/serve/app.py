@@ -25,7 +25,7 @@ from raylora.serve.protocol import ApiError
 from raylora.serve.replica import LLMServer
 
 log = logging.getLogger("ray.serve")
-api = FastAPI(title="raylora", docs_url=None, redoc_url=None)
+api = FastAPI(title="raylora", docs_url=None, redoc_url=None, openapi_url=None)  # only /health is open
 REPLICA_TIMEOUT_S = 600  # a request still unanswered then is failed with 504, not left hanging
 
 
@@ -77,6 +77,23 @@ def _check_key(request: Request, key: str | None, what: str) -> None:
         raise ApiError(401, f"{what} needs an API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
     if not hmac.compare_digest(given.encode(), key.encode()):
         raise ApiError(401, "the API key given is not valid", code="invalid_api_key")
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body; 413 past :data:`~raylora.serve.protocol.MAX_BODY_BYTES`, before reading it when its length
+    is declared."""
+    limit = protocol.MAX_BODY_BYTES
+    too_large = ApiError(413, f"the request body is over {limit >> 20} MiB", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
 
 
 async def _next_event(stream) -> dict:
@@ -135,6 +152,16 @@ class Ingress:
                  for n in names if n != self.base]  # fmt: skip
         return {"object": "list", "data": data}
 
+    @api.get("/v1/models/{name}")
+    async def model(self, name: str, request: Request) -> dict:
+        _check_key(request, self.api_key, "this endpoint")
+        listed = (await self.models(request))["data"]
+        found = next((m for m in listed if m["id"] == name), None)
+        if found is None:
+            known = ", ".join(m["id"] for m in listed)
+            raise ApiError(404, f"the model {name!r} does not exist; available: {known}", "model", "model_not_found")
+        return found
+
     def _adapter_names(self) -> list[str]:
         uri = self._tracking_uri()
         return sorted(set(list_local(self.root)) | set(list_registered(uri) if uri else []))
@@ -145,7 +172,7 @@ class Ingress:
             raise ApiError(403, "adapter registration is off: set serve.admin_key or RAYLORA_ADMIN_KEY",
                            code="registration_disabled")  # fmt: skip
         _check_key(request, self.admin_key, "POST /v1/adapters")
-        body = protocol.parse_body(await request.body())
+        body = protocol.parse_body(await _read_body(request))
         unknown = set(body) - {"name", "source"}
         if unknown:
             raise ApiError(
@@ -156,6 +183,10 @@ class Ingress:
             raise ApiError(400, "send {'name': str, 'source': a trained adapter folder, runs:/... or models:/...}")
         if name == self.base:
             raise ApiError(409, f"{name!r} is the base model's name", "name", "adapter_exists")
+        try:
+            check_name(name)
+        except AdapterError as e:
+            raise ApiError(e.status, str(e), "name", e.code) from None
         try:
             path = await asyncio.to_thread(install, self.root, name, source, self._tracking_uri())
         except AdapterError as e:
@@ -175,7 +206,7 @@ class Ingress:
 
     async def _generate(self, request: Request, chat: bool):
         _check_key(request, self.api_key, "this endpoint")
-        body = protocol.parse_body(await request.body())
+        body = protocol.parse_body(await _read_body(request))
         gen = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
         adapter = "" if gen.model == self.base else await asyncio.to_thread(self._known_adapter, gen.model)
         payload = {"messages": gen.messages, "prompt": gen.prompt, "max_tokens": gen.max_tokens,
@@ -215,18 +246,20 @@ class Ingress:
 
     async def _sse(self, stream, first: dict, rid: str, gen: protocol.Generation, chat: bool):
         event, sent_role = first, False
+        # with include_usage, OpenAI's chunks carry "usage": null until the last one, which holds the counts
+        usage_field = {"usage": None} if gen.include_usage else {}
         try:
             while True:
                 if event["error"]:
                     yield protocol.sse(ApiError(500, event["error"], code="generation_failed").body())
                     break
                 if event["text"] or not sent_role:
-                    yield protocol.sse(protocol.chunk(rid, gen.model, chat, event["text"], None, first=not sent_role))
+                    chunk = protocol.chunk(rid, gen.model, chat, event["text"], None, first=not sent_role)
+                    yield protocol.sse(chunk | usage_field)
                     sent_role = True
                 if event["finish_reason"]:
-                    yield protocol.sse(
-                        protocol.chunk(rid, gen.model, chat, None if chat else "", event["finish_reason"])
-                    )
+                    chunk = protocol.chunk(rid, gen.model, chat, None if chat else "", event["finish_reason"])
+                    yield protocol.sse(chunk | usage_field)
                     if gen.include_usage:
                         use = protocol.usage(event["prompt_tokens"], event["completion_tokens"])
                         yield protocol.sse(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,6 @@ import torch
 from raylora.registry import AdapterError
 from raylora.serve.adapters import adapter_files, lora_config
 
-# peft's saved keys: "base_model.model.<module>.<part>", <module> named as in the base model.
 # peft's saved keys: "base_model.model.<module>.<part>", <module> named as in the base model.
 _LORA_KEY = re.compile(
     r"(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias|lora_magnitude_vector"
@@ -71,15 +71,26 @@ def _check_rank(adapter_dir: Path, config: dict[str, Any], max_rank: int) -> Non
 
 
 def _tensor_shapes(weights: Path) -> dict[str, list[int]]:
-    """``{tensor name: shape}`` of an adapter weights file, without reading the tensors' data."""
-    if weights.suffix == ".safetensors":
-        from safetensors import safe_open
+    """``{tensor name: shape}`` of an adapter weights file, without reading the tensors' data.
 
-        with safe_open(str(weights), framework="pt") as f:
-            return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
-    # mmap leaves the data on disk; weights_only refuses pickled code in an uploaded file.
-    state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
-    return {key: list(tensor.shape) for key, tensor in state.items()}
+    Raises:
+        AdapterError: 422 ``adapter_unreadable`` for a file that is not whole (safetensors checks that its header
+            and the tensors it lists fit the file) or not a tensor file at all.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if weights.suffix == ".safetensors":
+            with safe_open(str(weights), framework="pt") as f:
+                return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
+        # mmap leaves the data on disk; weights_only refuses pickled code in an uploaded file.
+        state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
+        return {key: list(tensor.shape) for key, tensor in state.items()}
+    except (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError, ValueError, AttributeError) as e:
+        raise AdapterError(
+            422, "adapter_unreadable", f"adapter {weights.parent.name!r}: {weights.name} is damaged or not an "
+            f"adapter weights file ({type(e).__name__}: {e}); save or copy the adapter again",
+        ) from None  # fmt: skip
 
 
 def _tensor_problem(

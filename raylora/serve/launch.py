@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import socket
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
+from raylora.cluster import cluster_to_join
 from raylora.config import JobConfig
 from raylora.data.sources import DataError, plan_sources
 
@@ -47,13 +50,50 @@ def check_serve(cfg: JobConfig) -> list[str]:
         problems.append(f"serve.adapter_root={root} is a file; it must be a folder of adapters")
     problems += _model_problems(cfg)
     holder = port_holder(cfg.serve.host, cfg.serve.port)
-    if holder and not (os.environ.get("RAY_ADDRESS") and "ProxyActor" in holder):
+    if holder and not redeploys(cfg.serve.port):
         # Ray Serve's proxy listens with SO_REUSEPORT: a second server would not fail, it would share the port.
         problems.append(
             f"port {cfg.serve.host}:{cfg.serve.port} is taken by {holder}; stop that server, or choose another "
             "port with serve.port=PORT"
         )
     return problems
+
+
+def redeploys(port: int) -> bool:
+    """Whether ``port`` is held by the Serve proxy of the very cluster this command joins, where ``serve.run``
+    replaces the application in place (any other holder, a new cluster's proxy included, would share the port)."""
+    joined, _ = cluster_to_join()
+    proxy = serve_proxy_cluster(port)
+    return bool(joined and proxy and same_address(joined, proxy))
+
+
+def serve_proxy_cluster(port: int) -> str | None:
+    """The GCS address of the Ray cluster whose Serve proxy listens on ``port`` on this host, if one does: the
+    ``--gcs-address`` of the raylet that started the proxy's process."""
+    import psutil
+
+    for conn in psutil.net_connections("tcp"):
+        if conn.status != psutil.CONN_LISTEN or conn.laddr.port != port or not conn.pid:
+            continue
+        with contextlib.suppress(psutil.Error):
+            proxy = psutil.Process(conn.pid)
+            if "ProxyActor" not in " ".join(proxy.cmdline()):
+                continue
+            for parent in proxy.parents():
+                args = parent.cmdline()
+                if args and os.path.basename(args[0]) == "raylet":
+                    return next((a.split("=", 1)[1] for a in args if a.startswith("--gcs-address=")), None)
+    return None
+
+
+def same_address(a: str, b: str) -> bool:
+    """Whether two Ray addresses (``host:port``, or URLs) name the same port of the same host."""
+    first, second = (urlparse(x if "://" in x else f"//{x}") for x in (a, b))
+    try:
+        hosts = {socket.gethostbyname(first.hostname or ""), socket.gethostbyname(second.hostname or "")}
+        return first.port == second.port and len(hosts) == 1
+    except (OSError, ValueError):
+        return False
 
 
 def port_holder(host: str, port: int) -> str | None:
@@ -118,13 +158,22 @@ def _model_problems(cfg: JobConfig) -> list[str]:
     return []
 
 
-def start(cfg: JobConfig) -> str:
+def start(cfg: JobConfig, detach: bool = False) -> str:
     """Deploy the application on the current Ray cluster (started on 127.0.0.1 if none); returns its base URL.
 
+    Args:
+        detach: the caller returns at once, so the app must live in a cluster that outlives it (not one this
+            process starts: that cluster ends with it).
     Raises:
         ServeSetupError: listing every problem :func:`check_serve` found, before any Ray process starts.
     """
     problems = check_serve(cfg)
+    if detach and cluster_to_join()[0] is None:
+        problems.append(
+            "--detach returns at once, and this command would start its own Ray cluster (no RAY_ADDRESS, no running "
+            "`ray start`), which ends with it: start one first (`ray start --head --node-ip-address=127.0.0.1`), "
+            "or serve without --detach"
+        )
     if problems:
         raise ServeSetupError("cannot serve:\n  - " + "\n  - ".join(problems))
     from ray import serve

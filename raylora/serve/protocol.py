@@ -15,6 +15,7 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP = 4
+MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 before it is read
 
 
 class ApiError(Exception):
@@ -59,7 +60,7 @@ class Generation:
 
 # Fields OpenAI defines that this server accepts only at their default value.
 _DEFAULT_ONLY = {
-    "n": (1,), "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
@@ -71,13 +72,22 @@ COMPLETION_FIELDS |= {"frequency_penalty", "presence_penalty"}
 
 
 def parse_body(raw: bytes) -> dict:
-    """The JSON object of a request body; :class:`ApiError` 400 for anything else."""
+    """The JSON object of a request body; :class:`ApiError` 400 for anything else, including a number past
+    Python's 4,300 digits and text that is not Unicode (a lone surrogate escape such as ``"\\ud800"``, which JSON
+    allows and no tokenizer takes)."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, huge integers
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ApiError(
+            400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not text; "
+            "escape characters outside the Basic Multilingual Plane as surrogate pairs", code="invalid_json",
+        ) from None  # fmt: skip
     return body
 
 

@@ -78,6 +78,8 @@ class LLMServer:
         model, self.tokenizer, self.quantization = load_serving_model(cfg)
         self.base = model
         self.encoder = Encoder(tokenizer_spec(self.tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
+        vocab = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        self.token_chars = max(len(token) for token in vocab if token)  # the most text one token stands for
         threads = cfg.serve.engine_threads or max(1, round(cfg.serve.cpus_per_replica))
         self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000, threads,
                              cfg.serve.max_prefill_tokens)  # fmt: skip
@@ -176,6 +178,26 @@ class LLMServer:
             ).input_ids
         return self.tokenizer(prompt).input_ids
 
+    def check_chars(self, request: dict, field: str) -> None:
+        """Refuse, before tokenising it, a prompt with more characters than the longest prompt accepted can hold.
+
+        A token stands for at most :attr:`token_chars` characters (the longest vocabulary entry; byte-level entries
+        are a character a byte), so such a prompt cannot fit; a 4x margin covers normalisers that join characters.
+        Tokenising runs on the replica's event loop: before this check a 20 MB prompt held every other request for
+        40 s, only to be refused.
+
+        Raises:
+            ApiError: 400 ``context_length_exceeded``.
+        """
+        texts = [request["prompt"]] if request["messages"] is None else [m["content"] for m in request["messages"]]
+        chars = sum(len(text) for text in texts)
+        longest = min(self.cfg.serve.max_prompt_tokens or self.engine.max_context, self.engine.max_context - 1)
+        if chars > 4 * longest * self.token_chars:
+            raise ApiError(
+                400, f"the prompt has {chars} characters, far more than the {longest} tokens this server accepts "
+                "can hold: shorten the prompt", field, "context_length_exceeded",
+            )  # fmt: skip
+
     def budget(self, prompt_tokens: int, max_tokens: int | None, field: str) -> int:
         """The tokens a request may generate: its ``max_tokens``, else ``serve.max_tokens`` or what the context has left.
 
@@ -208,16 +230,17 @@ class LLMServer:
                 ``top_p``, ``stop``, ``seed``, ``stream`` (False: one event, the whole answer); the adapter is
                 the multiplexed model id (empty: the base).
         Raises:
-            ApiError: 400 ``context_length_exceeded`` (see :meth:`budget`); adapter errors with their status.
+            ApiError: 400 ``context_length_exceeded`` (see :meth:`check_chars` and :meth:`budget`); adapter errors
+                with their status.
         """
         adapter = serve.get_multiplexed_model_id() or None
         with self._lock:
             self._pinned[adapter] += 1
         try:
+            field = "prompt" if request["messages"] is None else "messages"
+            self.check_chars(request, field)
             ids = self.render(request["messages"], request["prompt"])
-            max_tokens = self.budget(
-                len(ids), request["max_tokens"], "prompt" if request["messages"] is None else "messages"
-            )
+            max_tokens = self.budget(len(ids), request["max_tokens"], field)
             if adapter:
                 await self._adapter(adapter)
             req = GenRequest(ids, adapter, max_tokens, request["temperature"], request["top_p"], tuple(request["stop"]),

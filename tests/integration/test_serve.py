@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import mlflow
 import openai
 import pytest
+import ray
 import requests
 import torch
 from peft import LoraConfig, get_peft_model
@@ -23,7 +25,7 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 from raylora.registry import register
-from raylora.serve.launch import APP_NAME, free_port, start
+from raylora.serve.launch import APP_NAME, free_port, redeploys, start
 from raylora.tracking import experiment_id
 
 KEY, ADMIN = "sk-test-key", "admin-test-key"
@@ -124,6 +126,10 @@ def test_streaming_with_the_openai_client_and_plain_http(server, client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == prompt_tokens
+    raw = _post(server, "/v1/chat/completions", {"model": "alpha", "messages": QUESTION, "max_tokens": 4, "stream": True,
+                                                 "stream_options": {"include_usage": True}}, stream=True)  # fmt: skip
+    sent = [json.loads(line[6:]) for line in raw.iter_lines(decode_unicode=True) if line and line != "data: [DONE]"]
+    assert [c["usage"] for c in sent[:-1]] == [None] * (len(sent) - 1) and sent[-1]["usage"]["completion_tokens"] == 4
 
     response = _post(server, "/v1/completions", {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8,
                                                  "temperature": 0, "stream": True}, stream=True)  # fmt: skip
@@ -254,6 +260,48 @@ def test_context_and_incompatible_adapter_errors_say_why(server):
     assert requests.get(server["url"] + "/v2/nothing", timeout=30).status_code == 404
 
 
+def test_damaged_adapter_weights_get_422_and_the_server_keeps_serving(server, client):
+    """Found by use: a truncated or random weights file answered 503 "retry shortly" (a replica failure)."""
+    weights = (server["root"] / "alpha" / "adapter_model.safetensors").read_bytes()
+    damaged = {"cut-short": weights[: len(weights) // 2], "noise": random.Random(3).randbytes(1000), "empty": b""}
+    for name, data in damaged.items():
+        folder = server["root"] / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_bytes((server["root"] / "alpha" / "adapter_config.json").read_bytes())
+        (folder / "adapter_model.safetensors").write_bytes(data)
+    try:
+        for name in damaged:
+            r = _post(server, "/v1/chat/completions", {"model": name, "messages": QUESTION, "max_tokens": 2})
+            assert r.status_code == 422 and _is_openai_error(r), (name, r.text)
+            assert r.json()["error"]["code"] == "adapter_unreadable" and r.json()["error"]["param"] == "model"
+    finally:
+        for name in damaged:
+            shutil.rmtree(server["root"] / name)
+    out = client.chat.completions.create(model="alpha", messages=QUESTION, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content == _reference(server["root"] / "alpha", QUESTION, 8)[0]
+
+
+def test_huge_bodies_and_prompts_are_refused_before_they_are_read_or_tokenised(server):
+    """Found by use: a 20 MB prompt was tokenised on the replica's event loop for 46 s, holding every other request,
+    and only then refused."""
+    r = _post(server, "/v1/completions", b" " * ((8 << 20) + 1))
+    assert r.status_code == 413 and _is_openai_error(r) and r.json()["error"]["code"] == "request_too_large"
+    r = _post(server, "/v1/completions", {"model": "tiny-llama", "prompt": "a" * 1_000_000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "1000000 characters" in r.json()["error"]["message"]  # refused on its length, before tokenising
+    r = _post(server, "/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "b" * 2000}]})
+    assert r.status_code == 200, r.text  # a prompt that fits is still tokenised and answered
+
+
+def test_each_model_can_be_retrieved_and_only_health_is_open(server, client):
+    assert client.models.retrieve("alpha").parent == "tiny-llama" and client.models.retrieve("tiny-llama").id
+    r = requests.get(server["url"] + "/v1/models/nope", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert requests.get(server["url"] + "/v1/models/alpha", timeout=30).status_code == 401
+    for path in ("/openapi.json", "/docs"):  # the schema was served without the key
+        assert requests.get(server["url"] + path, timeout=30).status_code == 404
+
+
 def _prompt_of(tokens: int) -> str:
     tok = tiny_tokenizer()
     text = "w" * (tokens - (len(tok("w").input_ids) - 1))  # one token a byte, plus what the tokenizer adds
@@ -281,20 +329,32 @@ def test_a_default_max_tokens_that_does_not_fit_gets_what_fits(server):
     assert (choice["finish_reason"], usage["completion_tokens"]) == ("length", 4) or choice["finish_reason"] == "stop"
 
 
-def test_a_second_server_on_the_same_port_exits_2_and_starts_nothing(server, tmp_path):
+@pytest.mark.parametrize("address", [None, "local"])
+def test_a_second_server_on_the_same_port_exits_2_and_starts_nothing(server, tmp_path, address):
+    """Whether it would start a cluster of its own (no RAY_ADDRESS) or was told to (RAY_ADDRESS=local: before the
+    fix this one started, and clients were split between the two servers)."""
     ray_tmp = tmp_path / "ray"
     ray_tmp.mkdir()
     port = server["cfg"].serve.port
     started = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmp)}
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("raylora")), "serve", "configs/tiny_serve_cpu.yaml", f"serve.port={port}",
          f"serve.adapter_root={tmp_path / 'adapters'}"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(ray_tmp)},
+        capture_output=True, text=True, timeout=120, env=env | ({"RAY_ADDRESS": address} if address else {}),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"port 127.0.0.1:{port} is taken by process" in proc.stderr and "serve.port" in proc.stderr
     assert list(ray_tmp.iterdir()) == [] and time.monotonic() - started < 60  # no Ray session was started
     assert requests.get(server["url"] + "/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_only_the_joined_clusters_own_proxy_counts_as_a_redeploy(server, monkeypatch):
+    port = server["cfg"].serve.port
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    assert redeploys(port)  # serve.run on this cluster replaces the app behind its own proxy
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert not redeploys(port) and not redeploys(free_port())
 
 
 def test_register_adapters_from_a_training_folder_and_from_mlflow(server, client):
@@ -327,13 +387,15 @@ def _fuzz_cases(n: int, rng: random.Random) -> list[bytes]:
     bad = {
         "model": [None, 1, [], {}, "", "nope", "../../etc/passwd", "/abs", "a" * 300],
         "messages": [None, "hi", [], [1], [{"role": "wizard", "content": "x"}], [{"role": "user"}],
-                     [{"role": "user", "content": 5}], [{"content": "x"}], [{"role": "user", "content": [{"type": "image"}]}]],
+                     [{"role": "user", "content": 5}], [{"content": "x"}], [{"role": "user", "content": [{"type": "image"}]}],
+                     [{"role": "user", "content": "a\ud800b"}]],  # a lone surrogate: 503 before the fix
         "max_tokens": [-1, 0, "5", 1.5, True, 10**30, [], 999999],
         "temperature": [-1, 3, "hot", [], float("inf")],
         "top_p": [0, 2, "x", -0.5],
         "stop": [5, [1], ["a"] * 5, "", [""]],
         "seed": ["x", 1.5, [], 2**70],
         "n": [2, 0, "1"],
+        "prompt": ["\udfff"],
         "stream": ["yes", 1, {}],
         "stream_options": ["x", {"foo": 1}, 3],
         "logprobs": [True],
@@ -349,6 +411,10 @@ def _fuzz_cases(n: int, rng: random.Random) -> list[bytes]:
             cases.append(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
         elif kind < 0.25:
             cases.append(("[" * rng.randrange(1, 5000)).encode())
+        elif kind < 0.27:  # past Python's 4,300-digit limit for parsing an integer (500 before the fix)
+            cases.append(
+                b'{"model": "tiny-llama", "messages": [], "max_tokens": 1' + b"0" * rng.randrange(4300, 9000) + b"}"
+            )
         else:
             body = {"model": "tiny-llama", "messages": QUESTION, "max_tokens": 2}
             for field in rng.sample(sorted(bad), rng.randrange(1, 3)):

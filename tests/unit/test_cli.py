@@ -106,6 +106,16 @@ def test_a_mistyped_model_or_layer_name_is_reported_before_touching_ray(command,
     assert not ray.is_initialized()
 
 
+def test_serve_detach_refuses_a_cluster_that_would_end_with_it(monkeypatch, capsys):
+    """Found by use: it printed "is ready" and exited 0, and its own cluster, with the app, ended with it."""
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert main(["serve", "configs/tiny_serve_cpu.yaml", "--detach"]) == 2
+    assert "--detach returns at once" in capsys.readouterr().err
+    import ray
+
+    assert not ray.is_initialized()
+
+
 def test_serve_reports_a_missing_calibration_file_before_touching_ray(tmp_path, capsys):
     args = ["serve", "configs/tiny_serve_cpu.yaml", "serve.quantization=w8a8-smoothquant",
             f"data.sources=[{{path: {tmp_path}/nope.json}}]"]  # fmt: skip
