@@ -21,8 +21,9 @@ class RawRowsDatasource(FileBasedDatasource):
         self.rows_per_block = rows_per_block
 
     def _open_input_source(self, filesystem, path: str, **open_args) -> pa.NativeFile:
-        # Parquet needs random access (its footer comes last); the other formats stream.
-        if path.endswith(".parquet"):
+        # Parquet needs random access (its footer comes last), and CSV a second look at its header (to read every
+        # column as text); the other formats stream.
+        if path.endswith((".parquet", ".csv")):
             return filesystem.open_input_file(path)
         return super()._open_input_source(filesystem, path, **open_args)
 

@@ -6,8 +6,9 @@ Roles are ``system``, ``user``, ``assistant`` and ``tool`` (a tool's result). Ev
 - ``tool_calls`` (assistant): ``[{"type": "function", "function": {"name": str, "arguments": dict}}, ...]``,
   the shape chat templates that know tools read;
 - ``reasoning`` (assistant): the reasoning trace before the answer;
-- ``loss_weight``: 0 (not learned) or 1 (learned), given by the row or set by ``mask_history``; without it
-  assistant turns are learned and the rest is not.
+- ``loss_weight``: 0 (not learned) or 1 (learned), given by the row (LLaMA-Factory's ``loss_weight``, or OpenAI
+  fine-tuning's ``weight`` on an assistant turn) or set by ``mask_history``; without it assistant turns are learned
+  and the rest is not.
 
 A conversation's function schemas travel beside its messages (:class:`Conversation`). Plain text rows
 (continued pre-training) become a single ``text`` message.
@@ -43,6 +44,12 @@ DEFAULT_COLUMNS = {
 }  # fmt: skip
 _OPENAI_ROLES = ("system", "user", "assistant", "tool")
 TEXT_KEYS = ("text", "value")  # a content part's text, as OpenAI and LLaMA-Factory's v1 format name it
+# A preference (ranking) row, as LLaMA-Factory and TRL name its answers: training on its prompt alone would be wrong.
+PREFERENCE_KEYS = {"chosen", "rejected"}
+PREFERENCE = (
+    "a preference row (chosen / rejected answers): raylora trains supervised fine-tuning only; give rows with one "
+    "answer per prompt"
+)
 
 
 @dataclass
@@ -95,10 +102,13 @@ def to_conversation(
         drop_reasoning: leave reasoning traces out.
     Raises:
         RowError: missing or mistyped field, empty response, unknown role, unfilled placeholder, a tool call or
-            tool list that is not valid, a content part that is neither text nor reasoning, a bad loss weight.
+            tool list that is not valid, a content part that is neither text nor reasoning, a bad loss weight, a
+            preference row (``chosen`` / ``rejected``).
     """
     if not isinstance(row, dict):
         raise RowError(f"row is a {type(row).__name__}, not an object")
+    if PREFERENCE_KEYS & row.keys():
+        raise RowError(PREFERENCE)
     names = {**DEFAULT_COLUMNS[fmt], **columns}
     messages = {"alpaca": _alpaca, "sharegpt": _sharegpt, "openai": _openai, "text": _text}[fmt](row, names)
     if fmt == "text":
@@ -219,7 +229,14 @@ def _string(row: dict, name: str, required: bool = True) -> str:
 
 
 def _loss_weight(turn: dict, message: Message, k: int) -> Message:
+    """The turn's ``loss_weight`` (LLaMA-Factory), or on an assistant turn OpenAI fine-tuning's ``weight``."""
     weight = turn.get("loss_weight")
+    if turn.get("weight") is not None:
+        if message["role"] != "assistant":
+            raise RowError(f"turn {k}: weight is for assistant turns (OpenAI fine-tuning); use loss_weight")
+        if weight is not None and weight != turn["weight"]:
+            raise RowError(f"turn {k}: weight {turn['weight']!r} and loss_weight {weight!r} disagree")
+        weight = turn["weight"]
     if weight is None:
         return message
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:

@@ -8,12 +8,13 @@ that met them, next to the output; so are per-batch counts that the summary adds
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -231,7 +232,8 @@ def prepare(cfg: JobConfig, log=print) -> dict[str, Any]:
     written = build_dataset(cfg, out, spec, plan, eval_keys).map_batches(
         write_shard, batch_size=None, batch_format="pyarrow", fn_kwargs={"folder": str(out / "shards")}
     )
-    counts = written.take_all()
+    with file_failures():
+        counts = written.take_all()
     seconds = time.perf_counter() - start
     summary = summarise(out, counts, cfg.data, seconds)
     manifest = {"fingerprint": fp, "summary": summary, "complete": True, "raylora": _version()}
@@ -239,6 +241,20 @@ def prepare(cfg: JobConfig, log=print) -> dict[str, Any]:
     manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
     log(render_summary(summary, out))
     return _check_rejects(summary, cfg.data, out)
+
+
+@contextlib.contextmanager
+def file_failures() -> Iterator[None]:
+    """A whole file failing inside the pipeline (a ``.json`` array broken past its first row, which is all that is
+    checked before Ray starts) as a :class:`DataError` naming the file and line, not Ray's task traceback."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        yield
+    except RayTaskError as e:
+        if isinstance(e.cause, ValueError):
+            raise DataError(str(e.cause).splitlines()[0]) from None
+        raise
 
 
 def _check_rejects(summary: dict[str, Any], data: DataArgs, out: Path) -> dict[str, Any]:
@@ -256,7 +272,8 @@ def _eval_keys(cfg: JobConfig, plan: dict) -> frozenset:
 
     reader = RawRowsDatasource(sorted(plan), max_rows_per_file=cfg.data.max_samples)
     raw = ray.data.read_datasource(reader, override_num_blocks=len(plan))
-    keys = raw.select_columns(["source", "line"]).take_all()
+    with file_failures():
+        keys = raw.select_columns(["source", "line"]).take_all()
     ranked = sorted(keys, key=lambda k: split_draw(cfg.data.seed, k["source"], k["line"]))
     return frozenset((k["source"], k["line"]) for k in ranked[: cfg.data.eval_count])
 

@@ -59,7 +59,12 @@ def iter_raw(f: BinaryIO, path: str) -> Iterator[RawRow]:
     else:
         import pyarrow.csv as pcsv
 
-        options = pcsv.ConvertOptions(strings_can_be_null=False, quoted_strings_can_be_null=False)
+        # Every column as text: a CSV file holds no types, and inferring them turned an answer "5" into the int 5,
+        # which no format takes.
+        names = pcsv.open_csv(f).schema.names
+        f.seek(0)
+        options = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), strings_can_be_null=False,
+                                      quoted_strings_can_be_null=False)  # fmt: skip
         reader = pcsv.open_csv(f, convert_options=options)
         yield from _records(b.to_pylist() for b in reader)
 
@@ -73,6 +78,8 @@ def _jsonl(f: BinaryIO) -> Iterator[RawRow]:
         rest = lines.pop() if chunk else b""
         for data in lines:
             line += 1
+            if line == 1:
+                data = data.removeprefix(codecs.BOM_UTF8)  # as editors on Windows save UTF-8
             if not data.strip():
                 continue
             try:

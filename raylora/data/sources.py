@@ -13,7 +13,16 @@ from typing import Any
 from raylora.config import DataArgs
 from raylora.data.dataset_info import RegistryError, load_registry, resolve
 from raylora.data.encode import tokenizer_spec
-from raylora.data.formats import DEFAULT_COLUMNS, FORMATS, Conversation, RowError, detect_format, to_conversation
+from raylora.data.formats import (
+    DEFAULT_COLUMNS,
+    FORMATS,
+    PREFERENCE,
+    PREFERENCE_KEYS,
+    Conversation,
+    RowError,
+    detect_format,
+    to_conversation,
+)
 from raylora.data.read import expand, first_row, iter_raw
 
 
@@ -24,14 +33,15 @@ class DataError(ValueError):
 def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
     """Per data file: its format (declared or detected from the first row), column names and weight.
 
-    Every file is checked before the pipeline starts: a file that does not parse, or whose first
-    row is not the declared format, fails here, naming the file and line.
+    Every file is checked before the pipeline starts: a file that does not parse, whose first row is not the
+    declared format or is a preference row, or that two sources name, fails here, naming the file and line.
     Raises:
         DataError: listing every problem found.
     """
     if not data.sources:
         raise DataError("data.sources is empty: name at least one data file, folder or glob")
     plan: dict[str, dict[str, Any]] = {}
+    owner: dict[str, int] = {}  # file -> the source that named it first
     problems = []
     registry = None
     if any(source.name is not None for source in data.sources):
@@ -67,10 +77,20 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
             problems.append(str(e))
             continue
         for path in files:
+            if path in owner:
+                problems.append(
+                    f"{path} is read by data.sources[{owner[path]}] and data.sources[{k}]: name each file once "
+                    "(weight: 2 reads a file twice)"
+                )
+                continue
+            owner[path] = k
             try:
                 line, row = first_row(path)
             except ValueError as e:
                 problems.append(str(e))
+                continue
+            if isinstance(row, dict) and PREFERENCE_KEYS & row.keys():
+                problems.append(f"{path}:{line}: {PREFERENCE}")
                 continue
             detected = detect_format(row)
             fmt = detected if fmt_declared == "auto" else fmt_declared

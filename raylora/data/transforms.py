@@ -123,7 +123,8 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
         )
         take += [j] * copies
         split += [row_split] * copies
-    _write_side(Path(side_dir), rows, rejects, len(take))
+    name = _batch_name(rows)
+    _write_side(Path(side_dir), name, rows, rejects, len(take))
     offsets = pa.array(encoded.offsets, pa.int32())
     indices = pa.array(take, pa.int64())
     return pa.table(
@@ -131,13 +132,18 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
             "input_ids": pa.ListArray.from_arrays(offsets, encoded.input_ids).take(indices),
             "labels": pa.ListArray.from_arrays(offsets, encoded.labels).take(indices),
             "split": pa.array(split, pa.string()),
+            "origin": pa.array([name] * len(take), pa.string()),
         }
     )
 
 
-def _write_side(side_dir: Path, rows: list[dict], rejects: list[dict], examples: int) -> None:
-    # Named by the batch's first row, so a retried task overwrites its own files instead of adding to them.
-    name = f"{unit_hash(rows[0]['source'], rows[0]['line']):.16f}"[2:] if rows else "empty"
+def _batch_name(rows: list[dict]) -> str:
+    """A batch's name from its first row's file and line: a retried task writes the same names again, and two
+    files with the same rows do not."""
+    return f"{unit_hash(rows[0]['source'], rows[0]['line']):.16f}"[2:] if rows else "empty"
+
+
+def _write_side(side_dir: Path, name: str, rows: list[dict], rejects: list[dict], examples: int) -> None:
     reasons = Counter(r["reason"].split(";")[0] for r in rejects)
     counts = {
         "read": len(rows),
@@ -196,21 +202,25 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
             "seq_lens": lists(seq_lens, example_offsets),
             "num_tokens": pa.array(np.diff(token_offsets), pa.int32()),
             "split": pa.array(pack_split, pa.string()),
+            "origin": pc.take(batch.column("origin").combine_chunks(), take.take(pa.array(example_offsets[:-1]))),
         }
     )
 
 
 def _content_key(batch: pa.Table) -> str:
-    """A name for a batch of packs from all of its tokens, labels and example lengths."""
+    """A name for a batch of packs from the input batches they came from and all of their tokens, labels and
+    example lengths."""
     digest = hashlib.blake2b(digest_size=8)
+    digest.update(" ".join(sorted(set(batch["origin"].to_pylist()))).encode())
     for name in ("input_ids", "labels", "seq_lens"):
         digest.update(pc.list_flatten(batch[name]).to_numpy().tobytes())
     return digest.hexdigest()
 
 
 def select_split(batch: pa.Table, split: str) -> pa.Table:
-    """The packs of one split, without the ``split`` column (training reads the pipeline's output directly)."""
-    return batch.filter(pc.equal(batch["split"], split)).drop_columns(["split"])
+    """The packs of one split, without the ``split`` and ``origin`` columns (training reads the pipeline's output
+    directly)."""
+    return batch.filter(pc.equal(batch["split"], split)).drop_columns(["split", "origin"])
 
 
 def write_shard(batch: pa.Table, folder: str) -> pa.Table:
@@ -218,15 +228,16 @@ def write_shard(batch: pa.Table, folder: str) -> pa.Table:
 
     Writing inside the task, one file per batch, keeps a task's memory flat however large its input
     file (Ray's own writers hold all of a task's blocks until the task ends). The file is named by
-    the batch's whole content, so a retried task overwrites its own files (a name from the first tokens alone
-    let two files' batches that open with the same long system prompt overwrite each other). Token ids repeat
+    the input batches it came from and its whole content, so a retried task overwrites its own files (a name from
+    the first tokens alone let two files' batches that open with the same long system prompt overwrite each other;
+    one from the content alone, the batches of two copies of a file). Token ids repeat
     too little for dictionary pages to pay: without them and with zstd, shards are a quarter smaller than
     Parquet's defaults and written 8% faster.
     """
     counts: dict[str, list] = {"split": [], "packs": [], "examples": [], "tokens": []}
     key = _content_key(batch) if batch.num_rows else ""
     for split in ("train", "eval") if batch.num_rows else ():
-        part = batch.filter(pc.equal(batch["split"], split)).drop_columns(["split"])
+        part = select_split(batch, split)
         if part.num_rows == 0:
             continue
         target = Path(folder) / f"split={split}"

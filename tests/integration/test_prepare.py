@@ -138,6 +138,23 @@ def test_split_is_deterministic_and_eval_count_exact(tmp_path, mixed):
     assert counted["splits"]["eval"]["packs"] == 7  # no packing: one example per sequence
 
 
+def test_two_copies_of_a_file_are_both_trained_and_a_broken_array_is_named_plainly(tmp_path, mixed):
+    """Found by use: the copies wrote the same shard names (named by content), so half the data was gone, the summary
+    counting it all; a .json array broken past its first row ended with Ray's task traceback."""
+    (tmp_path / "copies").mkdir()
+    for name in ("one.jsonl", "two.jsonl"):
+        (tmp_path / "copies" / name).write_bytes((mixed / "alpaca.jsonl").read_bytes())
+    only = f"data.sources=[{{path: {tmp_path}/copies}}]"
+    summary = prepare(config(tmp_path / "a", mixed, only, "data.eval_fraction=0"), log=lambda s: None)
+    examples = sum(len(p["seq_lens"]) for p in shards(tmp_path / "a" / "out", "train"))
+    assert examples == summary["splits"]["train"]["examples"] == 2 * 27  # 31 rows, 4 rejected, in each copy
+    rows = [json.dumps({"instruction": f"q{i}", "output": "a"}) for i in range(3)]
+    (tmp_path / "broken.json").write_text("[\n" + ",\n".join(rows[:2]) + ',\n{"instruction": "x",}\n]\n')
+    with pytest.raises(DataError) as err:
+        prepare(config(tmp_path / "b", mixed, f"data.sources=[{{path: {tmp_path}/broken.json}}]"), log=lambda s: None)
+    assert str(err.value).startswith(f"{tmp_path}/broken.json: not valid JSON at line 4")
+
+
 def test_too_many_rejects_fail_after_writing_them(tmp_path, mixed):
     with pytest.raises(DataError, match=r"5 of 61 rows were rejected, more than data.max_reject_fraction=0.05"):
         prepare(config(tmp_path, mixed, "data.max_reject_fraction=0.05"), log=lambda s: None)

@@ -69,6 +69,14 @@ def test_openai_messages_with_text_parts():
     assert to_messages(row, "openai", {}, {}) == msgs(("system", "s"), ("user", "hello"), ("assistant", "hi"))
 
 
+def test_openai_fine_tuning_weight_marks_assistant_turns_not_learned():
+    """Found by use: OpenAI's per-message ``weight: 0`` was dropped, and the excluded answer was trained."""
+    turns = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "bad", "weight": 0},
+             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "good", "weight": 1}]  # fmt: skip
+    got = to_messages({"messages": turns}, "openai", {}, {})
+    assert [m.get("loss_weight") for m in got] == [None, 0.0, None, 1.0]
+
+
 def test_text_rows():
     assert to_messages({"text": "Once upon a time"}, "text", {}, {}) == msgs(("text", "Once upon a time"))
 
@@ -110,6 +118,20 @@ def test_text_rows():
             "content part type 'image' is not supported",
         ),
         ({"text": ""}, "text", "empty text"),
+        (
+            {"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "b"}]},
+            "openai",
+            "weight is for assistant turns",
+        ),
+        (  # LLaMA-Factory's ranking sharegpt row: its prompt alone was trained as SFT before
+            {
+                "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
+                "chosen": {"from": "gpt", "value": "good"},
+                "rejected": {"from": "gpt", "value": "bad"},
+            },
+            "sharegpt",
+            "a preference row",
+        ),  # fmt: skip
     ],
 )
 def test_bad_rows_say_why(row, fmt, reason):

@@ -105,6 +105,7 @@ def test_vectorised_pack_batch_matches_the_reference_join():
             "input_ids": pa.array(examples, pa.list_(pa.int32())),
             "labels": pa.array(labels, pa.list_(pa.int32())),
             "split": splits,
+            "origin": ["a"] * 20 + ["b"] * 20,
         }
     )
     for packing in (True, False):
@@ -137,6 +138,7 @@ def test_pack_batch_of_nothing_is_empty():
             "input_ids": pa.array([], pa.list_(pa.int32())),
             "labels": pa.array([], pa.list_(pa.int32())),
             "split": pa.array([], pa.string()),
+            "origin": pa.array([], pa.string()),
         }
     )
     assert pack_batch(empty, 64, True).num_rows == 0

@@ -56,6 +56,7 @@ def test_broken_json_array_fails_at_the_offending_line(tmp_path):
 def test_parquet_and_csv_rows(tmp_path):
     pq.write_table(pa.table({"instruction": ["a", "b"], "output": ["x", "y"]}), tmp_path / "a.parquet")
     (tmp_path / "b.csv").write_text('instruction,input,output\nhi,,there\n"multi\nline",x,y\n')
+    (tmp_path / "sums.csv").write_text("instruction,output\nwhat is 2+3,5\nwhat is 1+1,2\n")
     assert [(line, json.loads(raw)) for line, raw, _ in rows_of(tmp_path / "a.parquet")] == [
         (1, {"instruction": "a", "output": "x"}),
         (2, {"instruction": "b", "output": "y"}),
@@ -65,6 +66,30 @@ def test_parquet_and_csv_rows(tmp_path):
         {"instruction": "hi", "input": "", "output": "there"},
         {"instruction": "multi\nline", "input": "x", "output": "y"},
     ]
+    sums = [json.loads(raw) for _, raw, _ in rows_of(tmp_path / "sums.csv")]  # text, as the file holds it (was int)
+    assert sums == [{"instruction": "what is 2+3", "output": "5"}, {"instruction": "what is 1+1", "output": "2"}]
+
+
+def test_a_byte_order_mark_opening_a_jsonl_file_is_not_part_of_its_first_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\n{"a": 2}\n')
+    assert [(line, raw) for line, raw, _ in rows_of(path)] == [(1, '{"a": 1}'), (2, '{"a": 2}')]
+
+
+def test_a_file_named_twice_and_preference_data_are_refused_before_anything_runs(tmp_path):
+    """Found by use: a file named by two sources was read once, with the last source's weight and columns; a
+    preference file's rows were trained as if their prompt were the lesson."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    ranked = {"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "y"},
+              "rejected": {"from": "gpt", "value": "n"}}  # fmt: skip
+    (tmp_path / "ranked.jsonl").write_text(json.dumps(ranked) + "\n")
+    data = DataArgs(sources=[SourceArgs(str(tmp_path / "d" / "a.jsonl"), weight=3.0), SourceArgs(str(tmp_path / "d")),
+                             SourceArgs(str(tmp_path / "ranked.jsonl"))])  # fmt: skip
+    with pytest.raises(DataError) as err:
+        plan_sources(data)
+    assert "a.jsonl is read by data.sources[0] and data.sources[1]" in str(err.value)
+    assert "ranked.jsonl:1: a preference row (chosen / rejected answers)" in str(err.value)
 
 
 def test_blocks_and_row_limit(tmp_path):

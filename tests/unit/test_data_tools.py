@@ -306,6 +306,9 @@ def test_a_row_with_nothing_to_learn_is_rejected(tok):
     row = turns({"role": "assistant", "content": "a", "loss_weight": 0})
     (e,) = encoder(tok).encode_many([to_conversation(row, "openai", {}, {})])
     assert isinstance(e, RowError) and str(e) == "nothing to learn: every turn has loss_weight 0"
+    openai_style = turns({"role": "assistant", "content": "a", "weight": 0})  # OpenAI fine-tuning's name for it
+    (e,) = encoder(tok).encode_many([to_conversation(openai_style, "openai", {}, {})])
+    assert isinstance(e, RowError) and str(e) == "nothing to learn: every turn has loss_weight 0"
     (e,) = encoder(tok, train_on_prompt=True).encode_many([to_conversation(row, "openai", {}, {})])
     assert not isinstance(e, RowError)
 
