@@ -309,6 +309,7 @@ def _openai(row: dict, names: dict[str, str]) -> list[Message]:
     messages: list[Message] = []
     for k, turn in enumerate(_turns(row, names)):
         role = turn.get(names["role_tag"])
+        role = "system" if role == "developer" else role  # OpenAI's newer name for system
         if role not in _OPENAI_ROLES:
             raise RowError(f"unknown role {role!r}; expected one of {', '.join(_OPENAI_ROLES)}")
         message = _parts(role, turn.get(names["content_tag"]), k)

@@ -55,7 +55,8 @@ def iter_raw(f: BinaryIO, path: str) -> Iterator[RawRow]:
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        yield from _records(b.to_pylist() for b in pq.ParquetFile(f).iter_batches(batch_size=4096))
+        batches = pq.ParquetFile(f).iter_batches(batch_size=4096)
+        yield from _records([_without_nulls(row) for row in b.to_pylist()] for b in batches)
     else:
         import pyarrow.csv as pcsv
 
@@ -146,6 +147,20 @@ def _raise_at(decoder: json.JSONDecoder, buf: str, pos: int, line: int, path: st
         decoder.raw_decode(buf, pos)
     except json.JSONDecodeError as e:  # located in the final buffer, whose start is ``line``
         raise ValueError(f"{path}: not valid JSON at line {line + buf.count(chr(10), pos, e.pos)}: {e.msg}") from None
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` without the object keys whose value is null, at any depth.
+
+    A Parquet struct column has one schema for all rows, the union of their keys: a row's tool schema or call
+    arguments gained every other row's keys as nulls, which then showed in the prompt and the learned text. Parquet
+    cannot tell such a null from an absent key, so both read as absent.
+    """
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _records(batches: Iterator[list[dict[str, Any]]]) -> Iterator[RawRow]:

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool")  # and "developer", read as system
 MAX_STOP = 4
 MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 before it is read
 
@@ -161,7 +161,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     unknown = set(m) - {"role", "content", "name", "tool_call_id"}
     if unknown:
         raise ApiError(400, f"{param} has unrecognized fields: {sorted(unknown)}", param, "unrecognized_argument")
-    role = m.get("role")
+    role = "system" if m.get("role") == "developer" else m.get("role")  # OpenAI's newer name for system
     if role not in ROLES:
         raise ApiError(400, f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{param}.role")
     content = m.get("content")

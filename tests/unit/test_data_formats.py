@@ -75,6 +75,8 @@ def test_openai_fine_tuning_weight_marks_assistant_turns_not_learned():
              {"role": "user", "content": "q2"}, {"role": "assistant", "content": "good", "weight": 1}]  # fmt: skip
     got = to_messages({"messages": turns}, "openai", {}, {})
     assert [m.get("loss_weight") for m in got] == [None, 0.0, None, 1.0]
+    developer = to_messages({"messages": [{"role": "developer", "content": "be brief"}, *turns]}, "openai", {}, {})
+    assert developer[0] == {"role": "system", "content": "be brief"}  # OpenAI's newer name for the system prompt
 
 
 def test_text_rows():

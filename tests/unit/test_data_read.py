@@ -70,6 +70,19 @@ def test_parquet_and_csv_rows(tmp_path):
     assert sums == [{"instruction": "what is 2+3", "output": "5"}, {"instruction": "what is 1+1", "output": "2"}]
 
 
+def test_parquet_struct_rows_do_not_gain_each_others_keys(tmp_path):
+    """Found by use: Parquet merges struct fields over rows, and row 1's tool schema showed row 2's parameter."""
+    tools = [
+        [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+        [{"name": "set_timer", "parameters": {"type": "object", "properties": {"minutes": {"type": "integer"}}}}],
+    ]
+    pq.write_table(
+        pa.table({"messages": [[{"role": "user", "content": "q"}]] * 2, "tools": tools}), tmp_path / "t.parquet"
+    )
+    rows = [json.loads(raw) for _, raw, _ in rows_of(tmp_path / "t.parquet")]
+    assert [r["tools"] for r in rows] == tools
+
+
 def test_a_byte_order_mark_opening_a_jsonl_file_is_not_part_of_its_first_row(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"a": 1}\n{"a": 2}\n')

@@ -17,6 +17,12 @@ def test_a_full_chat_request_parses():
     assert gen.stream and gen.include_usage
 
 
+def test_openai_clients_developer_role_and_null_n_are_accepted():
+    """Found by use: OpenAI's newer clients send the system prompt as role developer, and some send n: null."""
+    gen = parse_chat({**CHAT, "n": None, "messages": [{"role": "developer", "content": "be brief"}, *CHAT["messages"]]})
+    assert gen.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
 def test_completion_prompt_may_be_a_list_of_one():
     assert parse_completion({"model": "m", "prompt": ["hello"]}).prompt == "hello"
 
