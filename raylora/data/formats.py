@@ -6,8 +6,8 @@ Roles are ``system``, ``user``, ``assistant`` and ``tool`` (a tool's result). Ev
 - ``tool_calls`` (assistant): ``[{"type": "function", "function": {"name": str, "arguments": dict}}, ...]``,
   the shape chat templates that know tools read;
 - ``reasoning`` (assistant): the reasoning trace before the answer;
-- ``loss_weight``: 0 (not learned) or 1 (learned), given by the row (LLaMA-Factory's ``loss_weight``, or OpenAI
-  fine-tuning's ``weight`` on an assistant turn) or set by ``mask_history``; without it assistant turns are learned
+- ``loss_weight``: 0 (not learned) or 1 (learned), given by the row (LLaMA-Factory's ``loss_weight``, or the
+  ``weight`` of OpenAI fine-tuning and SlimOrca's sharegpt) or set by ``mask_history``; without it assistant turns are learned
   and the rest is not.
 
 A conversation's function schemas travel beside its messages (:class:`Conversation`). Plain text rows
@@ -60,6 +60,12 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None
 
 
+def is_preference(row: Any, columns: dict[str, str]) -> bool:
+    """Whether a row holds a chosen and a rejected answer that no ``columns`` entry maps to a field (a dataset's
+    chosen answers trained as plain answers map ``output: chosen``)."""
+    return isinstance(row, dict) and PREFERENCE_KEYS <= row.keys() and not PREFERENCE_KEYS & set(columns.values())
+
+
 class RowError(ValueError):
     """A data row that cannot be used; the message is the reason written to the rejects file."""
 
@@ -107,7 +113,7 @@ def to_conversation(
     """
     if not isinstance(row, dict):
         raise RowError(f"row is a {type(row).__name__}, not an object")
-    if PREFERENCE_KEYS & row.keys():
+    if is_preference(row, columns):
         raise RowError(PREFERENCE)
     names = {**DEFAULT_COLUMNS[fmt], **columns}
     messages = {"alpaca": _alpaca, "sharegpt": _sharegpt, "openai": _openai, "text": _text}[fmt](row, names)
@@ -229,11 +235,9 @@ def _string(row: dict, name: str, required: bool = True) -> str:
 
 
 def _loss_weight(turn: dict, message: Message, k: int) -> Message:
-    """The turn's ``loss_weight`` (LLaMA-Factory), or on an assistant turn OpenAI fine-tuning's ``weight``."""
+    """The turn's ``loss_weight`` (LLaMA-Factory), or its ``weight`` (OpenAI fine-tuning, SlimOrca's sharegpt)."""
     weight = turn.get("loss_weight")
     if turn.get("weight") is not None:
-        if message["role"] != "assistant":
-            raise RowError(f"turn {k}: weight is for assistant turns (OpenAI fine-tuning); use loss_weight")
         if weight is not None and weight != turn["weight"]:
             raise RowError(f"turn {k}: weight {turn['weight']!r} and loss_weight {weight!r} disagree")
         weight = turn["weight"]

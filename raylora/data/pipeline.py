@@ -22,6 +22,7 @@ from raylora.config import DataArgs, JobConfig, to_dict
 from raylora.data.datasource import RawRowsDatasource
 from raylora.data.encode import TokenizerSpec, tokenizer_spec
 from raylora.data.packs import put_packs
+from raylora.data.read import UnreadableFile
 from raylora.data.sources import DataError, plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, select_split, split_draw, worker_spec, write_shard
 from raylora.model_files import load_tokenizer
@@ -174,11 +175,18 @@ def finish_stream(side_dir: Path, data: DataArgs) -> dict[str, Any]:
     return _check_rejects(summary, data, side_dir)
 
 
+# Bumped whenever reading, encoding or packing changes what the same inputs give, so that shards an older raylora
+# prepared are prepared again (2: copies of a file no longer share shards; CSV cells read as text).
+SHARDS_VERSION = 2
+
+
 def fingerprint(cfg: JobConfig, plan: dict[str, dict[str, Any]], spec: TokenizerSpec) -> dict[str, Any]:
-    """Everything the shards depend on: input files (size and sha256), tokenizer, template and data settings."""
+    """Everything the shards depend on: input files (size and sha256), tokenizer, template, data settings and
+    :data:`SHARDS_VERSION`."""
     files = {p: {"bytes": Path(p).stat().st_size, "sha256": _sha256(Path(p)), **plan[p]} for p in sorted(plan)}
     data = {k: v for k, v in to_dict(cfg.data).items() if k not in ("output_dir", "max_reject_fraction")}
     return {
+        "shards_version": SHARDS_VERSION,
         "files": files,
         "tokenizer": {
             "model": cfg.model.name_or_path,
@@ -252,7 +260,7 @@ def file_failures() -> Iterator[None]:
     try:
         yield
     except RayTaskError as e:
-        if isinstance(e.cause, ValueError):
+        if isinstance(e.cause, UnreadableFile):
             raise DataError(str(e.cause).splitlines()[0]) from None
         raise
 

@@ -24,6 +24,10 @@ CHUNK = 1 << 20
 RawRow = tuple[int, str | None, str | None]  # (line, raw JSON text, error)
 
 
+class UnreadableFile(ValueError):
+    """A whole file cannot be read on (a ``.json`` array broken mid-file); the message names the file and line."""
+
+
 def expand(path: str) -> list[str]:
     """Files named by a file path, a folder (its data files, sorted) or a glob.
 
@@ -61,13 +65,12 @@ def iter_raw(f: BinaryIO, path: str) -> Iterator[RawRow]:
         import pyarrow.csv as pcsv
 
         # Every column as text: a CSV file holds no types, and inferring them turned an answer "5" into the int 5,
-        # which no format takes.
+        # which no format takes. Read as bytes and decoded per row, so a row that is not UTF-8 is rejected alone.
         names = pcsv.open_csv(f).schema.names
         f.seek(0)
-        options = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), strings_can_be_null=False,
+        options = pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.binary()), strings_can_be_null=False,
                                       quoted_strings_can_be_null=False)  # fmt: skip
-        reader = pcsv.open_csv(f, convert_options=options)
-        yield from _records(b.to_pylist() for b in reader)
+        yield from _csv_records(b.to_pylist() for b in pcsv.open_csv(f, convert_options=options))
 
 
 def _jsonl(f: BinaryIO) -> Iterator[RawRow]:
@@ -105,7 +108,7 @@ def _json(f: BinaryIO, path: str) -> Iterator[RawRow]:
         try:
             buf = buf[pos:] + utf8.decode(chunk, final=eof)
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 near line {line} ({e.reason})") from None
+            raise UnreadableFile(f"{path}: not UTF-8 near line {line} ({e.reason})") from None
         pos = 0
         return bool(chunk)
 
@@ -120,14 +123,14 @@ def _json(f: BinaryIO, path: str) -> Iterator[RawRow]:
 
     skip(" \t\r\n\ufeff")
     if pos >= len(buf) or buf[pos] != "[":
-        raise ValueError(
+        raise UnreadableFile(
             f"{path}: a .json file must hold a JSON array of rows; line {line} starts with {buf[pos : pos + 40]!r}"
         )
     pos += 1
     while True:
         skip(" \t\r\n,")
         if pos >= len(buf):
-            raise ValueError(f"{path}: the JSON array is not closed (ends at line {line})")
+            raise UnreadableFile(f"{path}: the JSON array is not closed (ends at line {line})")
         if buf[pos] == "]":
             return
         while True:
@@ -146,7 +149,9 @@ def _raise_at(decoder: json.JSONDecoder, buf: str, pos: int, line: int, path: st
     try:
         decoder.raw_decode(buf, pos)
     except json.JSONDecodeError as e:  # located in the final buffer, whose start is ``line``
-        raise ValueError(f"{path}: not valid JSON at line {line + buf.count(chr(10), pos, e.pos)}: {e.msg}") from None
+        raise UnreadableFile(
+            f"{path}: not valid JSON at line {line + buf.count(chr(10), pos, e.pos)}: {e.msg}"
+        ) from None
 
 
 def _without_nulls(value: Any) -> Any:
@@ -161,6 +166,19 @@ def _without_nulls(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_nulls(v) for v in value]
     return value
+
+
+def _csv_records(batches: Iterator[list[dict[str, Any]]]) -> Iterator[RawRow]:
+    line = 0
+    for rows in batches:
+        for row in rows:
+            line += 1
+            try:
+                text = {k: v.decode("utf-8") for k, v in row.items()}
+            except UnicodeDecodeError as e:
+                yield line, None, f"undecodable text (not UTF-8: {e.reason})"
+                continue
+            yield line, json.dumps(text, ensure_ascii=False), None
 
 
 def _records(batches: Iterator[list[dict[str, Any]]]) -> Iterator[RawRow]:

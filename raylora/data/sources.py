@@ -17,10 +17,10 @@ from raylora.data.formats import (
     DEFAULT_COLUMNS,
     FORMATS,
     PREFERENCE,
-    PREFERENCE_KEYS,
     Conversation,
     RowError,
     detect_format,
+    is_preference,
     to_conversation,
 )
 from raylora.data.read import expand, first_row, iter_raw
@@ -89,7 +89,7 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
             except ValueError as e:
                 problems.append(str(e))
                 continue
-            if isinstance(row, dict) and PREFERENCE_KEYS & row.keys():
+            if is_preference(row, columns):
                 problems.append(f"{path}:{line}: {PREFERENCE}")
                 continue
             detected = detect_format(row)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from raylora.cluster import cluster_to_join
 from raylora.config import JobConfig
 from raylora.data.sources import DataError, plan_sources
 
@@ -62,6 +61,8 @@ def check_serve(cfg: JobConfig) -> list[str]:
 def redeploys(port: int) -> bool:
     """Whether ``port`` is held by the Serve proxy of the very cluster this command joins, where ``serve.run``
     replaces the application in place (any other holder, a new cluster's proxy included, would share the port)."""
+    from raylora.cluster import cluster_to_join
+
     joined, _ = cluster_to_join()
     proxy = serve_proxy_cluster(port)
     return bool(joined and proxy and same_address(joined, proxy))
@@ -87,13 +88,22 @@ def serve_proxy_cluster(port: int) -> str | None:
 
 
 def same_address(a: str, b: str) -> bool:
-    """Whether two Ray addresses (``host:port``, or URLs) name the same port of the same host."""
+    """Whether two Ray GCS addresses (``host:port``) name the same port of one host; any two names of this host
+    (127.0.0.1, its hostname, an interface's address) count as one. A Ray Client address (``ray://``) names another
+    port and never matches."""
+    import psutil
+
     first, second = (urlparse(x if "://" in x else f"//{x}") for x in (a, b))
+    if "ray" in (first.scheme, second.scheme):
+        return False
     try:
         hosts = {socket.gethostbyname(first.hostname or ""), socket.gethostbyname(second.hostname or "")}
-        return first.port == second.port and len(hosts) == 1
+        if first.port != second.port:
+            return False
     except (OSError, ValueError):
         return False
+    here = {a.address for addresses in psutil.net_if_addrs().values() for a in addresses}
+    return len(hosts) == 1 or all(h.startswith("127.") or h in here for h in hosts)
 
 
 def port_holder(host: str, port: int) -> str | None:
@@ -167,6 +177,8 @@ def start(cfg: JobConfig, detach: bool = False) -> str:
     Raises:
         ServeSetupError: listing every problem :func:`check_serve` found, before any Ray process starts.
     """
+    from raylora.cluster import cluster_to_join
+
     problems = check_serve(cfg)
     if detach and cluster_to_join()[0] is None:
         problems.append(

@@ -37,7 +37,8 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     Returns:
         ``{"adapter", "steps", "loss", "eval_loss", "run_id", "history"}``.
     Raises:
-        DataError, TrackingError, BackendError: before any worker starts (all but DataError before any data work).
+        DataError, TrackingError, BackendError, ModelError: before any worker starts (all but DataError before any
+            data work).
         TrainingError: the run failed or diverged.
     """
     out = Path(cfg.train.output_dir).resolve()

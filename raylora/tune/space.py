@@ -121,7 +121,7 @@ def _check_targets(cfg: JobConfig) -> list[tuple[str, str]]:
 
     try:
         skeleton = model_skeleton(cfg.model)
-    except ModelError as e:
+    except (ModelError, ValueError, OSError) as e:  # ValueError, OSError: a config.json transformers cannot read
         return [("model.name_or_path", str(e))]
     problems = []
     for value in trial_values(cfg, "lora.target_modules"):

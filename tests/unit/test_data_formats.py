@@ -75,8 +75,19 @@ def test_openai_fine_tuning_weight_marks_assistant_turns_not_learned():
              {"role": "user", "content": "q2"}, {"role": "assistant", "content": "good", "weight": 1}]  # fmt: skip
     got = to_messages({"messages": turns}, "openai", {}, {})
     assert [m.get("loss_weight") for m in got] == [None, 0.0, None, 1.0]
+    slimorca = {
+        "conversations": [{"from": "human", "value": "q", "weight": 0.0}, {"from": "gpt", "value": "a", "weight": 1.0}]
+    }
+    assert [m.get("loss_weight") for m in to_messages(slimorca, "sharegpt", {}, {})] == [0.0, 1.0]  # rejected by review
     developer = to_messages({"messages": [{"role": "developer", "content": "be brief"}, *turns]}, "openai", {}, {})
     assert developer[0] == {"role": "system", "content": "be brief"}  # OpenAI's newer name for the system prompt
+
+
+def test_a_chosen_answer_mapped_as_the_output_is_not_a_preference_row():
+    row = {"prompt": "q", "chosen": "good", "rejected": "bad"}
+    got = to_messages(row, "alpaca", {"instruction": "prompt", "output": "chosen"}, {})
+    assert got == msgs(("user", "q"), ("assistant", "good"))
+    assert to_messages({"instruction": "q", "output": "a", "chosen": True}, "alpaca", {}, {})  # a flag, not a pair
 
 
 def test_text_rows():
@@ -120,11 +131,6 @@ def test_text_rows():
             "content part type 'image' is not supported",
         ),
         ({"text": ""}, "text", "empty text"),
-        (
-            {"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "b"}]},
-            "openai",
-            "weight is for assistant turns",
-        ),
         (  # LLaMA-Factory's ranking sharegpt row: its prompt alone was trained as SFT before
             {
                 "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],

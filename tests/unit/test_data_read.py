@@ -68,6 +68,9 @@ def test_parquet_and_csv_rows(tmp_path):
     ]
     sums = [json.loads(raw) for _, raw, _ in rows_of(tmp_path / "sums.csv")]  # text, as the file holds it (was int)
     assert sums == [{"instruction": "what is 2+3", "output": "5"}, {"instruction": "what is 1+1", "output": "2"}]
+    (tmp_path / "latin1.csv").write_bytes(b"instruction,output\ncaf\xe9,x\nok,y\n")  # one row not UTF-8
+    (bad, raw, error), good = rows_of(tmp_path / "latin1.csv")
+    assert (bad, raw) == (1, None) and error.startswith("undecodable text") and json.loads(good[1])["output"] == "y"
 
 
 def test_parquet_struct_rows_do_not_gain_each_others_keys(tmp_path):

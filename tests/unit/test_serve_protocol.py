@@ -23,6 +23,19 @@ def test_openai_clients_developer_role_and_null_n_are_accepted():
     assert gen.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        (b'{"model": "m", "prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),  # valid JSON, not text: 503 before
+        (b'{"model": "m", "max_tokens": 1' + b"0" * 5000 + b"}", "Exceeds the limit"),  # Python's digit limit: 500
+    ],
+)
+def test_bodies_json_allows_but_python_or_text_cannot_take_are_400(raw, said):
+    with pytest.raises(ApiError) as e:
+        parse_body(raw)
+    assert e.value.status == 400 and e.value.code == "invalid_json" and said in e.value.message
+
+
 def test_completion_prompt_may_be_a_list_of_one():
     assert parse_completion({"model": "m", "prompt": ["hello"]}).prompt == "hello"
 
