@@ -282,7 +282,8 @@ class Encoder:
             if not any(lrn for _, lrn in plans[i]):
                 errors[i] = RowError("nothing to learn: every turn has loss_weight 0")
             elif self.truncation == "reject" and row_lens[i] > self.cutoff_len:
-                errors[i] = RowError(f"{row_lens[i]} tokens exceed data.cutoff_len={self.cutoff_len}")
+                # the count after ";": the summary groups reasons by what comes before it (one line, not one per length)
+                errors[i] = RowError(f"longer than data.cutoff_len={self.cutoff_len}; {row_lens[i]} tokens")
             elif learned_kept[i] == 0:
                 errors[i] = RowError(f"no response token is left after truncation to data.cutoff_len={self.cutoff_len}")
             if errors[i] is not None:

@@ -242,8 +242,8 @@ def _copy_local(src: Path, dst: Path) -> Path:
     """Copy the adapter folder ``src`` to ``dst``; returns ``dst``.
 
     Raises:
-        AdapterError: 400 when ``src`` is not a folder or contains symlinks (copying them would let an
-            adapter read files from anywhere on the server).
+        AdapterError: 400 when ``src`` is not a folder, contains symlinks (copying them would let an
+            adapter read files from anywhere on the server) or is not a LoRA adapter.
     """
     if not src.is_dir():
         raise AdapterError(
@@ -260,5 +260,9 @@ def _copy_local(src: Path, dst: Path) -> Path:
             f"source {str(src)!r} contains the symlink {links[0]}; adapters are installed from real files only. "
             "Copy the files it points to into the folder.",
         )
+    try:
+        lora_config(src)  # before copying: a training run's whole folder (checkpoints and all) is not an adapter
+    except AdapterError as e:
+        raise AdapterError(400, "invalid_adapter_source", f"source {str(src)!r} is not usable: {e}") from None
     shutil.copytree(src, dst)
     return dst

@@ -280,7 +280,7 @@ def test_install_of_an_existing_name_is_409(adapter_root, adapter):
     assert_error(excinfo, 409, "adapter_exists", "alpha")
 
 
-def test_install_refuses_unusable_sources_with_the_reason(adapter_root, adapter, store, tmp_path):
+def test_install_refuses_unusable_sources_with_the_reason(adapter_root, adapter, store, tmp_path, monkeypatch):
     uri, run_id = store
     not_lora = shutil.copytree(adapter, tmp_path / "ia3")
     (not_lora / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
@@ -302,6 +302,15 @@ def test_install_refuses_unusable_sources_with_the_reason(adapter_root, adapter,
             install(adapter_root, "new", source, tracking_uri)
         assert_error(excinfo, 400, "invalid_adapter_source", reason)
     assert sorted(p.name for p in adapter_root.iterdir()) == ["alpha"]  # nothing half-installed
+    run = tmp_path / "run"  # found by use: a training run's whole folder was copied, checkpoints and all, then refused
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "big.bin").write_bytes(b"0" * 1000)
+    copies = []
+    monkeypatch.setattr(shutil, "copytree", lambda *a, **k: copies.append(a))
+    with pytest.raises(AdapterError) as excinfo:
+        install(adapter_root, "new", str(run), None)
+    assert_error(excinfo, 400, "invalid_adapter_source", "lacks adapter_config.json")
+    assert copies == []
     with pytest.raises(AdapterError) as excinfo:
         install(adapter_root, "../escape", str(adapter), tracking_uri=None)
     assert excinfo.value.code == "invalid_adapter_name"
