@@ -135,7 +135,20 @@ def to_conversation(
                 del m["reasoning"]
             else:
                 m["reasoning"] = fill(m["reasoning"], placeholders)
-    return Conversation(messages, parse_tools(row.get(names["tools"]), names["tools"]))
+        if "tool_calls" in m:
+            m["tool_calls"] = fill_all(m["tool_calls"], placeholders)
+    return Conversation(messages, fill_all(parse_tools(row.get(names["tools"]), names["tools"]), placeholders))
+
+
+def fill_all(value: Any, placeholders: dict[str, str]) -> Any:
+    """:func:`fill` on every string inside ``value`` (tool-call arguments, tool schemas)."""
+    if isinstance(value, str):
+        return fill(value, placeholders)
+    if isinstance(value, dict):
+        return {k: fill_all(v, placeholders) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fill_all(v, placeholders) for v in value]
+    return value
 
 
 def fill(text: str, placeholders: dict[str, str]) -> str:

@@ -1,6 +1,6 @@
 import pytest
 
-from raylora.data.formats import RowError, detect_format, fill, to_messages
+from raylora.data.formats import RowError, detect_format, fill, to_conversation, to_messages
 
 
 def msgs(*pairs):
@@ -151,6 +151,19 @@ def test_placeholders_are_filled():
     assert fill("I am {{name}} by {{ author }}.", {"name": "Ray", "author": "us"}) == "I am Ray by us."
     row = {"instruction": "Who?", "output": "{{name}}"}
     assert to_messages(row, "alpaca", {}, {"name": "Ray"})[-1]["content"] == "Ray"
+    # found by use: left literal inside tool calls and tool schemas, and so learned as "{{name}}"
+    call = {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "sign", "arguments": {"by": "{{name}}"}}}],
+    }
+    tools = [{"type": "function", "function": {"name": "sign", "description": "signs for {{name}}", "parameters": {}}}]
+    conversation = to_conversation(
+        {"messages": [{"role": "user", "content": "sign"}, call], "tools": tools}, "openai", {}, {"name": "Ray"}
+    )
+    assert conversation.messages[-1]["tool_calls"][0]["function"]["arguments"] == {"by": "Ray"}
+    assert conversation.tools[0]["function"]["description"] == "signs for Ray"
+    with pytest.raises(RowError, match="placeholder"):
+        to_conversation({"messages": [{"role": "user", "content": "sign"}, call]}, "openai", {}, {})
 
 
 @pytest.mark.parametrize(
