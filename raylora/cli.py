@@ -49,7 +49,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit code (0 ok, 1 run failed, 2 bad input or not available)."""
-    args = parser().parse_args(argv)
+    cli = parser()
+    args, extra = cli.parse_known_args(argv)
+    # overrides after a flag (`raylora tune CONFIG --resume train.output_dir=...`): argparse ends the positionals
+    # at the flag and leaves the rest over
+    strays = [a for a in extra if a.startswith("-") or "=" not in a]
+    if strays:
+        cli.error(f"unrecognized arguments: {' '.join(strays)}")
+    args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
         cfg = load_config(args.config, args.overrides)
         cfg = anchor_outputs(cfg, args.command, args.config)

@@ -64,6 +64,18 @@ def save_state(folder: Path, optimizer, scheduler, scaler, state: TrainState, cf
     (folder / "history.json").write_text(json.dumps(state.history))
 
 
+def newest(out: Path) -> Path | None:
+    """The checkpoint a rerun of the job writing to ``out`` resumes from: the highest step among those Ray Train
+    kept (``out/ray/checkpoint_*``), or ``None``."""
+    found = [(checkpoint_step(f), f.name, f) for f in (out / "ray").glob("checkpoint_*") if (f / "meta.json").is_file()]
+    return max(found)[2] if found else None
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The optimizer step a checkpoint folder was written at."""
+    return int(json.loads((folder / "meta.json").read_text()).get("step", 0))
+
+
 def check_compatible(folder: Path, cfg: JobConfig) -> None:
     """Raise :class:`CheckpointError` unless the checkpoint was written for this base model and LoRA shape."""
     meta = json.loads((folder / "meta.json").read_text())

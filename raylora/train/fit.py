@@ -24,6 +24,8 @@ from raylora.data.pipeline import DataError, TrainingData, training_data
 from raylora.data.sources import plan_sources
 from raylora.models import model_skeleton, target_modules
 from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
+from raylora.train.checkpoint import check_compatible, checkpoint_step
+from raylora.train.checkpoint import newest as newest_checkpoint
 from raylora.train.plot import plot_history
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
 
@@ -42,6 +44,9 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
         TrainingError: the run failed or diverged.
     """
     out = Path(cfg.train.output_dir).resolve()
+    done = _finished(cfg, out, log)
+    if done is not None:
+        return done
     check_before_data(cfg)
     out.mkdir(parents=True, exist_ok=True)
     data = training_data(cfg, log)
@@ -83,6 +88,24 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     }
 
 
+def _finished(cfg: JobConfig, out: Path, log) -> dict[str, Any] | None:
+    """A rerun of a job whose newest checkpoint already reached ``train.max_steps``: its outputs, written again from
+    that checkpoint, with no cluster, worker or MLflow run (a rerun used to record an empty MLflow run); ``None``
+    when there is training left to do."""
+    latest = newest_checkpoint(out)
+    if latest is None or checkpoint_step(latest) < cfg.train.max_steps:
+        return None
+    check_compatible(latest, cfg)
+    history = save_outputs(latest, cfg, out)
+    step = checkpoint_step(latest)
+    log(f"nothing to train: {out} already holds step {step} of train.max_steps={cfg.train.max_steps} (raise "
+        f"train.max_steps to train on); adapter {out / 'adapter'}")  # fmt: skip
+    last = history[-1] if history else {}
+    return {"adapter": str(out / "adapter"), "steps": step, "loss": last.get("loss"),
+            "eval_loss": last.get("eval_loss"), "resumed_from": step, "skipped_steps": 0, "run_id": None,
+            "history": history}  # fmt: skip
+
+
 def check_before_data(cfg: JobConfig) -> None:
     """The checks that take seconds, run before data preparation (which can take minutes) so they fail first.
 
@@ -90,6 +113,7 @@ def check_before_data(cfg: JobConfig) -> None:
     Raises:
         BackendError: the device asked for is missing, or its collectives cannot carry ``train.comm_hook``.
         ModelError: the base model is missing, or ``lora.target_modules`` names a layer it lacks (before Ray starts).
+        CheckpointError: the checkpoint a rerun would resume from was written for another model or LoRA shape.
         DataError: a data source is missing or unreadable (every such problem listed, before Ray starts).
         DataError: the workers would not leave the streamed pipeline a CPU (``data.streaming``).
         TrainingError: the workers ask for more CPUs or devices than the cluster has (Ray would wait forever).
@@ -98,6 +122,9 @@ def check_before_data(cfg: JobConfig) -> None:
     check_hook(cfg.train, planned_backend(cfg.backend))  # a missing device, or a hook it cannot run, fails first
     plan_sources(cfg.data)  # a mistyped data path fails in a second, not after a cluster has started
     target_modules(model_skeleton(cfg.model), cfg.lora.target_modules)  # so do a mistyped model or layer name
+    resume = newest_checkpoint(Path(cfg.train.output_dir).resolve())
+    if resume is not None:  # a checkpoint of another model or LoRA shape: here, not in every restart of the workers
+        check_compatible(resume, cfg)
     _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     if cfg.tracking.enabled:
         check_reachable(tracking_uri(cfg.tracking))

@@ -106,6 +106,14 @@ def test_a_mistyped_model_or_layer_name_is_reported_before_touching_ray(command,
     assert not ray.is_initialized()
 
 
+def test_overrides_may_follow_a_flag(tmp_path, capsys):
+    """Found by use: `raylora tune CONFIG --resume train.output_dir=...` was refused as unrecognized arguments."""
+    assert main(["tune", "configs/tiny_sweep_cpu.yaml", "--resume", f"train.output_dir={tmp_path}/sweep"]) == 2
+    assert f"no sweep to resume in {tmp_path}/sweep" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "configs/tiny_sweep_cpu.yaml", "--resume", "--frobnicate"])
+
+
 def test_serve_detach_refuses_a_cluster_that_would_end_with_it(monkeypatch, capsys):
     """Found by use: it printed "is ready" and exited 0, and its own cluster, with the app, ended with it."""
     monkeypatch.setenv("RAY_ADDRESS", "local")

@@ -1,0 +1,51 @@
+"""What a rerun of a training job does before any cluster or worker starts, from the checkpoints it left."""
+
+import json
+
+import pytest
+from peft import LoraConfig, get_peft_model
+
+from raylora.config import load_config, to_dict
+from raylora.models import tiny_model
+from raylora.train import fit as fit_module
+from raylora.train.checkpoint import LORA_SHAPE, CheckpointError
+
+
+def _checkpoint(out, name: str, step: int, cfg, rank: int) -> None:
+    folder = out / "ray" / name
+    get_peft_model(tiny_model("llama"), LoraConfig(r=rank, target_modules=["q_proj"])).save_pretrained(
+        folder / "adapter"
+    )
+    lora = {k: to_dict(cfg.lora)[k] for k in LORA_SHAPE} | {"rank": rank}
+    (folder / "meta.json").write_text(json.dumps({"model": cfg.model.name_or_path, "lora": lora, "step": step}))
+    (folder / "history.json").write_text(json.dumps([{"step": s, "loss": 5.0 - s / 10} for s in range(1, step + 1)]))
+
+
+def _config(tmp_path, *overrides):
+    return load_config("configs/tiny_lora_cpu.yaml", [f"train.output_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_a_finished_job_rerun_trains_nothing_and_records_no_run(tmp_path, monkeypatch):
+    """Found by use: it started the cluster and the workers, trained nothing, and logged an empty MLflow run."""
+    cfg = _config(tmp_path, "train.max_steps=6")
+    out = tmp_path / "run"
+    _checkpoint(out, "checkpoint_2026-01-01_00-00-01", 4, cfg, cfg.lora.rank)
+    _checkpoint(out, "checkpoint_2026-01-01_00-00-02", 6, cfg, cfg.lora.rank)
+    monkeypatch.setattr(fit_module, "ensure_ray", lambda: pytest.fail("the cluster was touched"))
+    monkeypatch.setattr(fit_module, "start_run", lambda *a: pytest.fail("an MLflow run was opened"))
+    said = []
+    result = fit_module.fit(cfg, log=said.append)
+    assert result["steps"] == 6 and result["run_id"] is None and result["loss"] == pytest.approx(4.4)
+    assert "nothing to train" in said[0] and "train.max_steps=6" in said[0]
+    assert (out / "adapter" / "adapter_config.json").is_file() and len(
+        json.loads((out / "history.json").read_text())
+    ) == 6
+
+
+def test_a_checkpoint_of_another_lora_shape_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
+    """Found by use: the refusal came from the worker, after Ray Train had started the worker group three times."""
+    cfg = _config(tmp_path, "train.max_steps=10")
+    _checkpoint(tmp_path / "run", "checkpoint_2026-01-01_00-00-01", 4, cfg, cfg.lora.rank * 2)
+    monkeypatch.setattr(fit_module, "ensure_ray", lambda: pytest.fail("the cluster was touched"))
+    with pytest.raises(CheckpointError, match="lora.rank"):
+        fit_module.fit(cfg)
