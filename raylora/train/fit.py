@@ -93,11 +93,11 @@ def _finished(cfg: JobConfig, out: Path, log) -> dict[str, Any] | None:
     that checkpoint, with no cluster, worker or MLflow run (a rerun used to record an empty MLflow run); ``None``
     when there is training left to do."""
     latest = newest_checkpoint(out)
-    if latest is None or checkpoint_step(latest) < cfg.train.max_steps:
+    step = checkpoint_step(latest) if latest is not None else 0
+    if step < cfg.train.max_steps:
         return None
     check_compatible(latest, cfg)
     history = save_outputs(latest, cfg, out)
-    step = checkpoint_step(latest)
     log(f"nothing to train: {out} already holds step {step} of train.max_steps={cfg.train.max_steps} (raise "
         f"train.max_steps to train on); adapter {out / 'adapter'}")  # fmt: skip
     last = history[-1] if history else {}
