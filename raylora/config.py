@@ -486,6 +486,12 @@ def _check_rules(value: Any, rules: Any, path: str, problems: list[tuple[str, st
 def _check_relations(cfg: JobConfig, problems: list[tuple[str, str]]) -> None:
     if cfg.data.eval_fraction > 0 and cfg.data.eval_count is not None:
         problems.append(("data.eval_count", "set either data.eval_fraction or data.eval_count, not both"))
+    if cfg.train.warmup_steps >= cfg.train.max_steps > 0:
+        problems.append((
+            "train.warmup_steps",
+            f"{cfg.train.warmup_steps} is not below train.max_steps={cfg.train.max_steps}: "
+            "the learning rate would never reach train.lr",
+        ))  # fmt: skip
 
 
 def _check_sources(data: DataArgs, problems: list[tuple[str, str]]) -> None:
@@ -509,8 +515,20 @@ def _check_sources(data: DataArgs, problems: list[tuple[str, str]]) -> None:
             )
 
 
+# What Hugging Face Trainer, peft and LLaMA-Factory call our keys (a typo's nearest spelling misses these).
+_KNOWN_AS = {
+    "learning_rate": "lr", "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
+    "lr_scheduler_type": "scheduler", "logging_steps": "log_every", "eval_steps": "eval_every",
+    "save_steps": "checkpoint_every", "save_total_limit": "keep_checkpoints", "gradient_checkpointing": "recompute_every",
+    "lora_rank": "rank", "r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_target": "target_modules",
+    "model_name_or_path": "name_or_path", "val_size": "eval_fraction", "dataset": "sources",
+}  # fmt: skip
+
+
 def _unknown(key: str, valid: list[str]) -> str:
-    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    first = key.split("_")[0]  # lr_rate: lr
+    near = [k for k in (_KNOWN_AS.get(key), first) if k in valid]
+    near = near or difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"did you mean {near[0]!r}? " if near else ""
     return f"unknown key; {hint}valid keys: {', '.join(valid)}"
 

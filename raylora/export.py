@@ -1,8 +1,10 @@
 """``raylora export``: a merged Hugging Face folder, or raylora's int8 (W8A8) folder, from a base and an adapter.
 
-The int8 folder holds ``model.safetensors`` (int8 weights, their scales, SmoothQuant input multipliers),
-the model's ``config.json``, the tokenizer and ``raylora_int8.json``; ``model.name_or_path`` may point at it
-(``raylora.models.load_model`` rebuilds the int8 layers), so ``raylora serve`` serves it without quantising again.
+The int8 folder holds ``raylora_int8.safetensors`` (int8 weights, their scales, SmoothQuant input multipliers),
+the model's ``config.json`` (its ``quantization_config`` names ``raylora-int8``), the tokenizer and
+``raylora_int8.json``. ``model.name_or_path`` may point at it (``raylora.models.load_model`` rebuilds the int8
+layers), so ``raylora serve`` serves it without quantising again; transformers alone refuses it (no
+``model.safetensors``) rather than read the int8 codes as float weights.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 from raylora.config import JobConfig, to_dict
-from raylora.models import INT8_MANIFEST, load_model
+from raylora.models import INT8_MANIFEST, INT8_QUANTIZATION, INT8_WEIGHTS, load_model
 
 
 def quantize(model, tokenizer, cfg: JobConfig, method: str) -> dict:
@@ -73,8 +75,9 @@ def export(cfg: JobConfig, log=print) -> Path:
             from safetensors.torch import save_model
 
             summary = quantize(model, tokenizer, cfg, cfg.export.quantization)
+            model.config.quantization_config = INT8_QUANTIZATION
             model.config.save_pretrained(stage)
-            save_model(model, str(stage / "model.safetensors"))  # handles the tied head's shared int8 tensor
+            save_model(model, str(stage / INT8_WEIGHTS))  # handles the tied head's shared int8 tensor
             smoothed = sorted(n.removesuffix(".smooth") for n, _ in model.named_buffers() if n.endswith(".smooth"))
             manifest |= {"summary": summary, "smoothed": smoothed}
             (stage / INT8_MANIFEST).write_text(json.dumps(manifest, indent=1))

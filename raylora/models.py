@@ -20,6 +20,10 @@ LORA_PRESETS = {
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT8_MANIFEST = "raylora_int8.json"  # marks a folder written by ``raylora export`` with int8 weights
+# The int8 folder's weights are not named model.safetensors, so transformers and vLLM refuse the folder instead of
+# reading int8 codes as float weights; its config.json names the method they warn of not knowing.
+INT8_WEIGHTS = "raylora_int8.safetensors"
+INT8_QUANTIZATION = {"quant_method": "raylora-int8", "load_with": "raylora.models.load_model"}
 
 
 def load_model(args: ModelArgs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -50,26 +54,33 @@ def model_skeleton(args: ModelArgs) -> torch.nn.Module:
     """
     if args.name_or_path in TINY:
         return tiny_model(TINY[args.name_or_path])
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(base_config(model_folder(args)))
+
+
+def base_config(folder: Path):
+    """The folder's transformers config, less the quantisation entry of raylora's int8 folder."""
     from transformers import AutoConfig
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_folder(args)))
+    config = AutoConfig.from_pretrained(folder)
+    if getattr(config, "quantization_config", None) == INT8_QUANTIZATION:
+        del config.quantization_config
+    return config
 
 
 def load_int8_folder(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
     """Rebuild a model exported with int8 weights: the same int8 layers, then the saved tensors (strictly)."""
     from safetensors.torch import load_model as load_safetensors
-    from transformers import AutoConfig
 
     from raylora.ops.int8 import quantize_model
 
     manifest = json.loads((folder / INT8_MANIFEST).read_text())
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(base_config(folder), dtype=dtype)
     quantize_model(model, "w8a8")
     for name in manifest["smoothed"]:
         layer = model.get_submodule(name)
         layer.register_buffer("smooth", torch.ones(layer.in_features))
-    load_safetensors(model, str(folder / "model.safetensors"), strict=True)
+    load_safetensors(model, str(folder / INT8_WEIGHTS), strict=True)
     return model.eval()
 
 

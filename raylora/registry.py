@@ -82,16 +82,17 @@ def list_registered(tracking_uri: str) -> list[str]:
 
 
 def register(tracking_uri: str, name: str, source: str) -> int:
-    """Register an adapter logged as a run artifact as a new version of registered model ``name``.
+    """Register an adapter logged as a run artifact as a version of registered model ``name``.
 
     The registered model (created when missing) and the version are tagged ``raylora.kind = lora-adapter``.
+    Registering the same ``source`` again (a resumed sweep that had finished) returns its version, not a new one.
 
     Args:
         tracking_uri: the MLflow store.
         name: the registered model name, checked with :func:`check_name`.
         source: ``runs:/<run_id>/<artifact_path>`` of a folder holding ``adapter_config.json``.
     Returns:
-        The new version number.
+        The version number.
     Raises:
         AdapterError: 400 bad name, a source that is not a ``runs:/`` URI or holds no adapter;
             409 when ``name`` is a registered model that is not a LoRA adapter.
@@ -102,6 +103,9 @@ def register(tracking_uri: str, name: str, source: str) -> int:
     client = mlflow.MlflowClient(tracking_uri)
     run_id = _logged_adapter_run(client, source)
     _ensure_registered_model(client, name)
+    for version in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+        if version.source == source:
+            return int(version.version)
     return int(client.create_model_version(name, source, run_id=run_id, tags={KIND_TAG: KIND}).version)
 
 

@@ -67,17 +67,9 @@ PRESETS = {
 
 def model_shapes(cfg: JobConfig) -> tuple[int, list[tuple[int, ...]]]:
     """``(frozen base parameters, shapes of the trainable LoRA tensors)`` of the job's model, built on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from raylora.models import attach_lora, model_skeleton
 
-    from raylora.model_files import TINY, model_folder
-    from raylora.models import attach_lora, tiny_model
-
-    if cfg.model.name_or_path in TINY:
-        config = tiny_model(TINY[cfg.model.name_or_path]).config
-    else:
-        config = AutoConfig.from_pretrained(model_folder(cfg.model))
-    with torch.device("meta"):
-        model = attach_lora(AutoModelForCausalLM.from_config(config), cfg.lora)
+    model = attach_lora(model_skeleton(cfg.model), cfg.lora)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     return frozen, [tuple(p.shape) for p in model.parameters() if p.requires_grad]
 

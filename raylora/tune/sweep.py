@@ -1,8 +1,9 @@
 """``sweep(cfg)``: a Ray Tune search over LoRA and training settings, top to bottom.
 
-check the sweep → count the trials the cluster fits → check MLflow answers → prepare the data once → open the MLflow parent
-run → Tune runs the trials (each a Ray Train run with its own MLflow child run; ASHA stops laggards)
-→ mark each child run → copy, log and register the best adapter; write the results table and plot.
+check the sweep → check MLflow answers (and, resuming, holds the sweep's parent run) → count the trials the cluster
+fits → prepare the data once → open the MLflow parent run → Tune runs the trials (each a Ray Train run with its own
+MLflow child run; ASHA stops laggards) → mark each child run → copy, log and register the best adapter; write the
+results table and plot.
 
 Layout of ``train.output_dir``::
 
@@ -71,10 +72,12 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             "the sweep",
         )
     plan_sources(cfg.data)  # a mistyped data path fails in a second, not after a cluster has started
+    if cfg.tracking.enabled:
+        check_reachable(tracking_uri(cfg.tracking))
+        if resume:
+            _check_parent(cfg, out)
     ensure_ray()
     at_once = trials_at_once(cfg)
-    if cfg.tracking.enabled:
-        check_reachable(tracking_uri(cfg.tracking))  # before the data work, which can take minutes
     data = training_data(cfg, log)
     check_enough(cfg, data.packs)
     out.mkdir(parents=True, exist_ok=True)
@@ -209,6 +212,25 @@ def _release_stopped_callback(out: Path):
             self.on_trial_complete(iteration, trials, trial)
 
     return ReleaseStopped()
+
+
+def _check_parent(cfg: JobConfig, out: Path) -> None:
+    """A resumed sweep's MLflow parent run is in this job's store (a sweep started against another store's is not)."""
+    saved = out / "sweep.json"
+    if not saved.exists():
+        return
+    import mlflow
+
+    run_id = json.loads(saved.read_text())["parent_run_id"]
+    uri = tracking_uri(cfg.tracking)
+    try:
+        mlflow.MlflowClient(uri).get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        where = (
+            f"the sweep in {out} logs to MLflow run {run_id}, which {uri} does not hold; resume with the "
+            "tracking.uri (and working folder) the sweep started with"
+        )
+        raise ConfigError([("tracking.uri", where)], "the sweep") from None
 
 
 def _parent_run(cfg: JobConfig, out: Path, resume: bool) -> str | None:

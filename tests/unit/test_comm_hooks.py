@@ -1,5 +1,6 @@
 """Communication hooks on 2 gloo processes: gradients against plain all-reduce, bytes, error feedback, resume."""
 
+import io
 import os
 
 import torch
@@ -95,7 +96,7 @@ def _resume_job(rank: int, train: TrainArgs) -> dict:
     optimizer = torch.optim.AdamW(params(model), lr=1e-2)
     first = _train(ddp, model, optimizer, 3)
     saved = [{k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), hook.state_dict()]
-    saved = torch.load(_roundtrip(saved, rank), weights_only=False)
+    saved = torch.load(_roundtrip(saved), weights_only=False)
     model = _model()
     model.load_state_dict(saved[0])
     ddp, hook = _ddp(model, train)
@@ -106,10 +107,12 @@ def _resume_job(rank: int, train: TrainArgs) -> dict:
     return {"straight": straight, "resumed": resumed}
 
 
-def _roundtrip(obj, rank: int) -> str:
-    path = f"/tmp/raylora-comm-resume-{os.getppid()}-{rank}.pt"  # a torch.save / torch.load round trip
-    torch.save(obj, path)
-    return path
+def _roundtrip(obj) -> io.BytesIO:
+    """What a checkpoint does to the saved state: a torch.save / torch.load round trip."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 JOBS = {"grads": _grads_job, "train": _train_job, "resume": _resume_job}

@@ -128,3 +128,29 @@ def test_every_field_is_documented_in_the_reference():
     for section in dataclasses.fields(JobConfig):
         for f in dataclasses.fields(section.default_factory()):
             assert f"`{section.name}.{f.name}`" in table
+
+
+def test_names_from_hugging_face_and_llama_factory_point_at_ours(tmp_path):
+    text = (
+        "train: {learning_rate: 1e-4, gradient_accumulation_steps: 4, per_device_train_batch_size: 2, lr_rate: 1}\n"
+        "lora: {lora_rank: 8, lora_alpha: 16}\nmodel: {model_name_or_path: x}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text))
+    problems = dict(err.value.problems)
+    assert "did you mean 'lr'" in problems["train.learning_rate"]
+    assert "did you mean 'lr'" in problems["train.lr_rate"]
+    assert "did you mean 'grad_accum'" in problems["train.gradient_accumulation_steps"]
+    assert "did you mean 'batch_size'" in problems["train.per_device_train_batch_size"]
+    assert "did you mean 'rank'" in problems["lora.lora_rank"]
+    assert "did you mean 'alpha'" in problems["lora.lora_alpha"]
+    assert "did you mean 'name_or_path'" in problems["model.model_name_or_path"]
+
+
+def test_warm_up_as_long_as_the_run_is_refused():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.max_steps=10", "train.warmup_steps=10"])
+    assert err.value.problems == [
+        ("train.warmup_steps", "10 is not below train.max_steps=10: the learning rate would never reach train.lr")
+    ]
+    assert load_config(None, ["train.max_steps=10", "train.warmup_steps=9"]).train.warmup_steps == 9

@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM
 
 from raylora.config import ModelArgs, from_dict
 from raylora.export import export, quantize
-from raylora.models import load_model, tiny_model
+from raylora.models import load_model, model_skeleton, tiny_model
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 250, 11]])
 
@@ -47,7 +47,17 @@ def test_int8_export_reloads_to_the_same_int8_model(tmp_path, adapter, root, mon
     summary = quantize(expected, tokenizer, cfg, "w8a8-smoothquant")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(IDS).logits, expected(IDS).logits, atol=1e-6, rtol=1e-6)
-    assert summary["alpha"] == 0.5 and (out / "model.safetensors").stat().st_size < 0.4 * summary["bytes_before"]
+    assert summary["alpha"] == 0.5 and (out / "raylora_int8.safetensors").stat().st_size < 0.4 * summary["bytes_before"]
     assert any(n.endswith(".smooth") for n, _ in reloaded.named_buffers())
     with pytest.raises(FileExistsError, match="exists"):
         export(cfg, log=lambda _: None)
+
+
+def test_int8_export_is_refused_by_plain_transformers_not_misread(tmp_path, adapter, root, monkeypatch):
+    monkeypatch.chdir(root)
+    out = export(_cfg(tmp_path, adapter, "w8a8"), log=lambda _: None)
+    with pytest.raises(OSError, match="model.safetensors"):
+        AutoModelForCausalLM.from_pretrained(out)
+    reloaded, _ = load_model(ModelArgs(name_or_path=str(out)))
+    assert not hasattr(reloaded.config, "quantization_config")
+    assert model_skeleton(ModelArgs(name_or_path=str(out))).config.num_hidden_layers == 2

@@ -214,7 +214,11 @@ def test_register_list_fetch_and_load(store, adapter, tmp_path, monkeypatch):
     uri, run_id = store
     monkeypatch.chdir(tmp_path)  # MLflow's default store would appear here as mlflow.db if it were used
     assert register(uri, "reg-a", f"runs:/{run_id}/adapter") == 1
-    assert register(uri, "reg-a", f"runs:/{run_id}/adapter") == 2
+    assert register(uri, "reg-a", f"runs:/{run_id}/adapter") == 1  # the same adapter again: its version
+    client = mlflow.MlflowClient(uri)
+    second = client.create_run(client.get_run(run_id).info.experiment_id).info.run_id
+    client.log_artifacts(second, str(adapter), artifact_path="adapter")
+    assert register(uri, "reg-a", f"runs:/{second}/adapter") == 2
     mlflow.MlflowClient(uri).create_registered_model("sklearn-thing")
     assert "reg-a" in list_registered(uri) and "sklearn-thing" not in list_registered(uri)
 

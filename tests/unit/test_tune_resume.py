@@ -1,0 +1,26 @@
+"""A resumed sweep is checked against its MLflow store before any cluster is touched."""
+
+import json
+
+import mlflow
+import pytest
+
+from raylora.config import ConfigError, load_config
+from raylora.tune import sweep as sweep_module
+
+
+def test_resume_against_another_mlflow_store_is_refused_before_ray(tmp_path, root, monkeypatch):
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sweep_module, "ensure_ray", lambda: pytest.fail("the cluster was touched"))
+    started = f"sqlite:///{tmp_path / 'first.db'}"
+    client = mlflow.MlflowClient(started)
+    run_id = client.create_run(client.create_experiment("tiny-sweep")).info.run_id
+    out = tmp_path / "sweep"
+    (out / "tune").mkdir(parents=True)
+    (out / "sweep.json").write_text(json.dumps({"parent_run_id": run_id}))
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    cfg = load_config(root / "configs/tiny_sweep_cpu.yaml", [f"train.output_dir={out}", f"tracking.uri={other}"])
+    with pytest.raises(ConfigError) as err:
+        sweep_module.sweep(cfg, resume=True, log=lambda _: None)
+    ((key, message),) = err.value.problems
+    assert key == "tracking.uri" and run_id in message and other in message
