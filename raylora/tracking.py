@@ -66,6 +66,21 @@ def start_run(
     return run.info.run_id
 
 
+def reopen_run(args: TrackingArgs, run_id: str, params: dict[str, Any]) -> bool:
+    """Mark ``run_id`` running again when this store holds it with exactly ``params``; whether it did."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(args))
+    try:
+        logged = client.get_run(run_id).data.params
+    except mlflow.exceptions.MlflowException:  # another store's run
+        return False
+    if logged != {k: str(v)[:6000] for k, v in params.items()}:
+        return False
+    client.update_run(run_id, status="RUNNING")
+    return True
+
+
 def artifact_location(uri: str) -> str | None:
     """Where a new experiment's artifacts go, chosen explicitly so they never depend on a working folder.
 

@@ -42,6 +42,11 @@ class TrainState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
+def tokens_trained(state: TrainState) -> int:
+    """Real tokens trained up to ``state``'s last logged step (0 for a fresh run), so a resumed run counts on."""
+    return int(state.history[-1].get("tokens", 0)) if state.history else 0
+
+
 def save(folder: Path, model, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig) -> None:
     """Write a checkpoint of ``model`` (a peft model, unwrapped from DDP) into ``folder``."""
     model.save_pretrained(folder / "adapter")

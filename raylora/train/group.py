@@ -74,6 +74,7 @@ class Member:
     resumed_from: int = 0
     bad_in_row: int = 0
     tokens_seen: int = 0
+    tokens_before: int = 0  # trained before the checkpoint it resumed from
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -206,8 +207,9 @@ class Group:
         params = [p for _, p in named]
         snap = ckpt.snapshot(self.model, optimizer, scheduler, scaler, state, adapter=name)
         self.members[name] = Member(
-            name, cfg, out, params, optimizer, scheduler, scaler, lr_scale, state, snap, state.step
-        )
+            name, cfg, out, params, optimizer, scheduler, scaler, lr_scale, state, snap, state.step,
+            tokens_before=ckpt.tokens_trained(state),
+        )  # fmt: skip
         self._keep_an_active_adapter()
         self._trainable()
 
@@ -259,7 +261,8 @@ class Group:
             if final or evaluate_now or save_now or m.state.step % train.log_every == 0:
                 report = {
                     "loss": loss, "lr": m.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                    "tokens_per_s": m.tokens_seen / (time.perf_counter() - m.started), "tokens": m.tokens_seen,
+                    "tokens_per_s": m.tokens_seen / (time.perf_counter() - m.started),
+                    "tokens": m.tokens_before + m.tokens_seen,
                     "peak_memory_mb": self.backend.peak_memory_mb(), "skipped_steps": m.state.skipped_steps,
                 }  # fmt: skip
             if evaluate_now and self.eval_rows:

@@ -111,6 +111,7 @@ def train_worker(config: dict) -> dict:
 
     bad_in_row = 0
     tokens_seen, started = 0, time.perf_counter()
+    tokens_before = ckpt.tokens_trained(state)
     comm_bytes, comm_steps = 0, 0
     overlap_due, overlap = hook is not None, {}  # measured once, on this run's third step (buckets settled)
     while state.step < train.max_steps:
@@ -167,7 +168,7 @@ def train_worker(config: dict) -> dict:
         elapsed = time.perf_counter() - started
         metrics = {
             "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-            "tokens_per_s": tokens_seen / elapsed, "tokens": tokens_seen, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
+            "tokens_per_s": tokens_seen / elapsed, "tokens": tokens_before + tokens_seen, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
         }  # fmt: skip
         if hook is not None:
             metrics["comm_bytes_per_step"] = comm_bytes / comm_steps

@@ -229,6 +229,7 @@ def test_a_compression_hook_trains_logs_its_bytes_and_resumes_with_every_ranks_s
     resumed = fit(job(tmp_path, "train.max_steps=6", "train.checkpoint_every=2", "train.comm_hook=topk",
                       "train.topk_fraction=0.05"), log=lambda s: None)  # fmt: skip
     assert resumed["resumed_from"] == 4 and resumed["steps"] == 6
+    assert resumed["history"][-1]["tokens"] > first["history"][-1]["tokens"] > 0  # counted on from the checkpoint
     history = first["history"] + resumed["history"]
     sent = [h["comm_bytes_per_step"] for h in history]
     lora_bytes = 4 * sum(p.numel() for n, p in _lora_model(cfg).named_parameters() if "lora_" in n)

@@ -49,3 +49,24 @@ def test_a_checkpoint_of_another_lora_shape_is_refused_before_any_worker_starts(
     monkeypatch.setattr(fit_module, "ensure_ray", lambda: pytest.fail("the cluster was touched"))
     with pytest.raises(CheckpointError, match="lora.rank"):
         fit_module.fit(cfg)
+
+
+def test_a_resumed_job_continues_its_mlflow_run_or_links_a_new_one(tmp_path):
+    """Found by use: every resumed invocation was a new MLflow run with nothing linking it to the earlier ones."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = _config(tmp_path, "train.max_steps=6", "tracking.enabled=true", f"tracking.uri={uri}")
+    out = tmp_path / "run"
+    out.mkdir()
+    first = fit_module.job_run(cfg, out)  # nothing to resume: a new run
+    client = mlflow.MlflowClient(uri)
+    client.set_terminated(first, "FAILED")  # the driver died
+    _checkpoint(out, "checkpoint_2026-01-01_00-00-01", 4, cfg, cfg.lora.rank)
+    assert fit_module.job_run(cfg, out) == first  # the same settings resume the same run
+    assert client.get_run(first).info.status == "RUNNING"
+    more = _config(tmp_path, "train.max_steps=8", "tracking.enabled=true", f"tracking.uri={uri}")
+    second = fit_module.job_run(more, out)  # other settings: a new run that names the one it continues
+    assert second != first and client.get_run(second).data.tags["raylora.continues_run"] == first
+    assert client.get_run(second).data.params["train.max_steps"] == "8"
+    assert fit_module.job_run(more, out) == second
