@@ -99,7 +99,7 @@ async def _read_body(request: Request) -> bytes:
 async def _next_event(stream) -> dict:
     """The next event from the model deployment, with its failures turned into :class:`ApiError`."""
     try:
-        return await asyncio.wait_for(stream.__anext__(), REPLICA_TIMEOUT_S)
+        event = await asyncio.wait_for(stream.__anext__(), REPLICA_TIMEOUT_S)
     except StopAsyncIteration:
         raise ApiError(502, "the model replica ended the answer early", code="replica_failed") from None
     except TimeoutError:
@@ -117,6 +117,10 @@ async def _next_event(stream) -> dict:
         raise ApiError(
             503, f"the model replica failed ({type(e).__name__}); retry shortly", code="replica_failed"
         ) from None
+    refused = event.get("refused")
+    if refused is not None:
+        raise ApiError(refused["status"], refused["message"], refused["param"], refused["code"])
+    return event
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0})

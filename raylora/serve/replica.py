@@ -229,13 +229,13 @@ class LLMServer:
             request: ``messages`` or ``prompt``, ``max_tokens`` (None: serve.max_tokens), ``temperature``,
                 ``top_p``, ``stop``, ``seed``, ``stream`` (False: one event, the whole answer); the adapter is
                 the multiplexed model id (empty: the base).
-        Raises:
-            ApiError: 400 ``context_length_exceeded`` (see :meth:`check_chars` and :meth:`budget`); adapter errors
-                with their status.
+        A refused request (400 ``context_length_exceeded``, see :meth:`check_chars` and :meth:`budget`; an adapter
+        error with its status) is one event ``{"refused": {status, message, param, code, type}}``.
         """
         adapter = serve.get_multiplexed_model_id() or None
         with self._lock:
             self._pinned[adapter] += 1
+        refused = None
         try:
             field = "prompt" if request["messages"] is None else "messages"
             self.check_chars(request, field)
@@ -248,9 +248,16 @@ class LLMServer:
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event] = asyncio.Queue()
             seq = self.engine.submit(req, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))
+        except ApiError as e:
+            refused = e
+        except AdapterError as e:
+            refused = ApiError(e.status, str(e), "model", e.code)
         finally:
             with self._lock:
                 self._pinned[adapter] -= 1
+        if refused is not None:  # yielded, not raised: Serve logs a traceback for every exception a replica raises
+            yield {"refused": refused.body()["error"] | {"status": refused.status}}
+            return
         try:
             while True:
                 # One message per burst of tokens (per answer when not streaming): each crosses processes.

@@ -250,13 +250,20 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert r.json()["error"]["param"] == param
 
 
+def _replica_tracebacks() -> int:
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    return sum(f.read_text(errors="replace").count("Traceback") for f in logs.glob("replica_*.log"))
+
+
 def test_context_and_incompatible_adapter_errors_say_why(server):
+    before = _replica_tracebacks()
     r = _post(server, "/v1/chat/completions", {"model": "tiny-llama", "messages": QUESTION, "max_tokens": 5000})
     assert r.json()["error"]["code"] == "context_length_exceeded" and "2048" in r.json()["error"]["message"]
     r = _post(server, "/v1/chat/completions", {"model": "too-big", "messages": QUESTION})
     assert "max_lora_rank" in r.json()["error"]["message"]
     r = _post(server, "/v1/chat/completions", {"model": "other-base", "messages": QUESTION})
     assert "q_proj" in r.json()["error"]["message"]
+    assert _replica_tracebacks() == before  # refusals, not faults: found by use, each logged a traceback
     assert requests.get(server["url"] + "/v2/nothing", timeout=30).status_code == 404
 
 
