@@ -23,7 +23,7 @@ class RawRowsDatasource(FileBasedDatasource):
     def _open_input_source(self, filesystem, path: str, **open_args) -> pa.NativeFile:
         # Parquet needs random access (its footer comes last), and CSV a second look at its header (to read every
         # column as text); the other formats stream.
-        if path.endswith((".parquet", ".csv")):
+        if path.lower().endswith((".parquet", ".csv")):
             return filesystem.open_input_file(path)
         return super()._open_input_source(filesystem, path, **open_args)
 

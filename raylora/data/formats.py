@@ -319,6 +319,12 @@ def _sharegpt(row: dict, names: dict[str, str]) -> list[Message]:
         else:
             message = {"role": roles[tag], "content": content}
         messages.append(_loss_weight(turn, message, k))
+    if len(messages) > 1 and messages[0]["role"] == messages[1]["role"] == "system" and system.strip():
+        if messages[1]["content"] != system:
+            raise RowError(
+                f"the system column {names['system']!r} and the conversation's system turn differ; keep one of them"
+            )
+        del messages[1]  # the same prompt twice, as a column and as the first turn
     return messages
 
 

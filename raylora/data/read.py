@@ -19,7 +19,8 @@ from typing import Any, BinaryIO
 
 import pyarrow as pa
 
-EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
+EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")  # in any case: C.JSONL is read
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")
 CHUNK = 1 << 20
 RawRow = tuple[int, str | None, str | None]  # (line, raw JSON text, error)
 
@@ -36,22 +37,32 @@ def expand(path: str) -> list[str]:
     """
     p = Path(path)
     if p.is_dir():
-        files = sorted(str(f) for f in p.iterdir() if f.suffix in EXTENSIONS and f.is_file())
+        found = sorted(str(f) for f in p.iterdir() if f.is_file())
     elif p.is_file():
-        files = [str(p)]
+        found = [str(p)]
     else:
-        files = sorted(f for f in glob.glob(path) if Path(f).suffix in EXTENSIONS and Path(f).is_file())
+        found = sorted(f for f in glob.glob(path) if Path(f).is_file())
+    packed = [f for f in found if _suffix(f) in COMPRESSED and _suffix(f.removesuffix(Path(f).suffix)) in EXTENSIONS]
+    if packed:
+        raise ValueError(
+            f"data.sources: {', '.join(packed)}: compressed data files are not read; decompress them "
+            f"(gunzip, unzstd, ...) or name only the other files"
+        )
+    files = [f for f in found if _suffix(f) in EXTENSIONS]
+    if p.is_file() and not files:
+        raise ValueError(f"data.sources: {p} is not one of {', '.join(EXTENSIONS)}")
     if not files:
         raise FileNotFoundError(f"data.sources: {path} matches no data file (looked for {', '.join(EXTENSIONS)})")
-    unknown = [f for f in files if Path(f).suffix not in EXTENSIONS]
-    if unknown:
-        raise ValueError(f"data.sources: {unknown[0]} is not one of {', '.join(EXTENSIONS)}")
     return [str(Path(f).resolve()) for f in files]
+
+
+def _suffix(path: str) -> str:
+    return Path(path).suffix.lower()
 
 
 def iter_raw(f: BinaryIO, path: str) -> Iterator[RawRow]:
     """Rows of one file as ``(line, raw_json, error)``; exactly one of raw_json and error is set."""
-    suffix = Path(path).suffix
+    suffix = _suffix(path)
     if suffix == ".jsonl":
         yield from _jsonl(f)
     elif suffix == ".json":

@@ -173,3 +173,12 @@ def test_placeholders_are_filled():
 )  # fmt: skip
 def test_format_detection(row, fmt):
     assert detect_format(row) == fmt
+
+
+def test_sharegpt_system_column_and_system_turn_give_one_system_message():
+    """Found by use: both were rendered, two system messages in one conversation."""
+    turns = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]
+    same = {"system": "Be brief.", "conversations": turns}
+    assert to_messages(same, "sharegpt", {}, {}) == msgs(("system", "Be brief."), ("user", "a"), ("assistant", "b"))
+    with pytest.raises(RowError, match="system column.*system turn"):
+        to_messages({**same, "system": "Be long."}, "sharegpt", {}, {})

@@ -170,3 +170,17 @@ def test_plan_detects_formats_and_reports_every_problem_at_once(tmp_path):
     assert "data.sources[4].columns: unknown field answer" in message
     with pytest.raises(DataError, match="data.sources is empty"):
         plan_sources(DataArgs())
+
+
+def test_a_folders_upper_case_files_are_read_and_compressed_ones_refused(tmp_path):
+    """Found by use: C.JSONL and d.jsonl.gz in a folder were skipped without a word."""
+    (tmp_path / "C.JSONL").write_text('{"text": "x"}\n')
+    (tmp_path / "a.json").write_text("[]")
+    assert expand(str(tmp_path)) == [str(tmp_path / "C.JSONL"), str(tmp_path / "a.json")]
+    with open(tmp_path / "C.JSONL", "rb") as f:
+        assert [raw for _, raw, _ in iter_raw(f, str(tmp_path / "C.JSONL"))] == ['{"text": "x"}']
+    (tmp_path / "d.jsonl.gz").write_bytes(b"\x1f\x8b")
+    with pytest.raises(ValueError, match=r"d.jsonl.gz.*compressed.*decompress"):
+        expand(str(tmp_path))
+    with pytest.raises(ValueError, match=r"d.jsonl.gz.*compressed"):
+        expand(str(tmp_path / "d.jsonl.gz"))
