@@ -489,8 +489,8 @@ def _check_relations(cfg: JobConfig, problems: list[tuple[str, str]]) -> None:
     if cfg.train.warmup_steps >= cfg.train.max_steps > 0:
         problems.append((
             "train.warmup_steps",
-            f"{cfg.train.warmup_steps} is not below train.max_steps={cfg.train.max_steps}: "
-            "the learning rate would never reach train.lr",
+            f"{cfg.train.warmup_steps} is not below train.max_steps={cfg.train.max_steps}: warm-up would take the "
+            "whole run, so the learning rate would never decay from train.lr (nor reach it, past max_steps)",
         ))  # fmt: skip
 
 
@@ -521,14 +521,12 @@ _KNOWN_AS = {
     "lr_scheduler_type": "scheduler", "logging_steps": "log_every", "eval_steps": "eval_every",
     "save_steps": "checkpoint_every", "save_total_limit": "keep_checkpoints", "gradient_checkpointing": "recompute_every",
     "lora_rank": "rank", "r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_target": "target_modules",
-    "model_name_or_path": "name_or_path", "val_size": "eval_fraction", "dataset": "sources",
+    "model_name_or_path": "name_or_path", "val_size": "eval_fraction", "dataset": "sources", "lr_rate": "lr",
 }  # fmt: skip
 
 
 def _unknown(key: str, valid: list[str]) -> str:
-    first = key.split("_")[0]  # lr_rate: lr
-    near = [k for k in (_KNOWN_AS.get(key), first) if k in valid]
-    near = near or difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    near = [_KNOWN_AS[key]] if _KNOWN_AS.get(key) in valid else difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"did you mean {near[0]!r}? " if near else ""
     return f"unknown key; {hint}valid keys: {', '.join(valid)}"
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from raylora.config import JobConfig, to_dict
-from raylora.models import INT8_MANIFEST, INT8_QUANTIZATION, INT8_WEIGHTS, load_model
+from raylora.model_files import INT8_MANIFEST, TINY, model_folder
+from raylora.models import INT8_QUANTIZATION, INT8_WEIGHTS, load_model
 
 
 def quantize(model, tokenizer, cfg: JobConfig, method: str) -> dict:
@@ -52,6 +53,11 @@ def export(cfg: JobConfig, log=print) -> Path:
     out = Path(cfg.export.output_dir)
     if out.exists():
         raise FileExistsError(f"export.output_dir={out} exists; remove it or choose another folder")
+    if cfg.model.name_or_path not in TINY and (model_folder(cfg.model) / INT8_MANIFEST).is_file():
+        raise ValueError(
+            f"model.name_or_path={cfg.model.name_or_path} is already an int8 export; export from the original base "
+            "(its int8 weights written as a plain folder would be read as floats)"
+        )
     model, tokenizer = load_model(cfg.model)
     if cfg.export.adapter:
         from peft import PeftModel

@@ -23,6 +23,7 @@ from raylora.templates import CHATML
 MANIFEST = "raylora-cache.json"
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
+INT8_MANIFEST = "raylora_int8.json"  # marks a folder written by ``raylora export`` with int8 weights
 REGISTRY = (SMOLLM2, *TINY)
 
 

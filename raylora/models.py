@@ -12,16 +12,15 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from raylora.config import LoraArgs, ModelArgs
-from raylora.model_files import TINY, ModelError, load_tokenizer, model_folder, tiny_tokenizer
+from raylora.model_files import INT8_MANIFEST, TINY, ModelError, load_tokenizer, model_folder, tiny_tokenizer
 
 LORA_PRESETS = {
     "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "mlp": ["gate_proj", "up_proj", "down_proj"],
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-INT8_MANIFEST = "raylora_int8.json"  # marks a folder written by ``raylora export`` with int8 weights
-# The int8 folder's weights are not named model.safetensors, so transformers and vLLM refuse the folder instead of
-# reading int8 codes as float weights; its config.json names the method they warn of not knowing.
+# The int8 folder's weights are not named model.safetensors, so transformers refuses the folder instead of reading
+# int8 codes as float weights; its config.json names a quantisation method vLLM refuses (and transformers warns of).
 INT8_WEIGHTS = "raylora_int8.safetensors"
 INT8_QUANTIZATION = {"quant_method": "raylora-int8", "load_with": "raylora.models.load_model"}
 
@@ -80,7 +79,10 @@ def load_int8_folder(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
     for name in manifest["smoothed"]:
         layer = model.get_submodule(name)
         layer.register_buffer("smooth", torch.ones(layer.in_features))
-    load_safetensors(model, str(folder / INT8_WEIGHTS), strict=True)
+    weights = folder / INT8_WEIGHTS
+    if not weights.is_file():  # exported before the weights were renamed
+        weights = folder / "model.safetensors"
+    load_safetensors(model, str(weights), strict=True)
     return model.eval()
 
 

@@ -72,11 +72,11 @@ def reopen_run(args: TrackingArgs, run_id: str, params: dict[str, Any]) -> bool:
 
     client = mlflow.MlflowClient(tracking_uri(args))
     try:
-        logged = client.get_run(run_id).data.params
+        run = client.get_run(run_id)
     except mlflow.exceptions.MlflowException:  # another store's run
         return False
-    if logged != {k: str(v)[:6000] for k, v in params.items()}:
-        return False
+    if run.info.lifecycle_stage != "active" or run.data.params != {k: str(v)[:6000] for k, v in params.items()}:
+        return False  # deleted in MLflow, or other settings
     client.update_run(run_id, status="RUNNING")
     return True
 

@@ -320,11 +320,7 @@ def _sharegpt(row: dict, names: dict[str, str]) -> list[Message]:
             message = {"role": roles[tag], "content": content}
         messages.append(_loss_weight(turn, message, k))
     if len(messages) > 1 and messages[0]["role"] == messages[1]["role"] == "system" and system.strip():
-        if messages[1]["content"] != system:
-            raise RowError(
-                f"the system column {names['system']!r} and the conversation's system turn differ; keep one of them"
-            )
-        del messages[1]  # the same prompt twice, as a column and as the first turn
+        del messages[0]  # a system turn first wins over the system column, as in LLaMA-Factory's sharegpt reader
     return messages
 
 

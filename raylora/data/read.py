@@ -34,6 +34,7 @@ def expand(path: str) -> list[str]:
 
     Raises:
         FileNotFoundError: nothing matches, naming the path and the extensions read.
+        ValueError: a file named alone is not a data file, or a compressed data file (``.jsonl.gz``) is among them.
     """
     p = Path(path)
     if p.is_dir():

@@ -154,8 +154,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _model_problems(cfg: JobConfig) -> list[str]:
-    from raylora.model_files import TINY, ModelError, model_folder
-    from raylora.models import INT8_MANIFEST
+    from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
 
     if cfg.model.name_or_path in TINY:
         return []

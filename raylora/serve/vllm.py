@@ -34,7 +34,7 @@ from typing import Any
 
 from raylora.backends import Backend, BackendError
 from raylora.config import JobConfig
-from raylora.model_files import TINY, ModelError, model_folder
+from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
 from raylora.registry import AdapterError
 from raylora.serve.adapters import local_adapter
 from raylora.serve.app import resolve_keys, served_name
@@ -280,9 +280,14 @@ def _model_problems(cfg: JobConfig) -> list[str]:
             "reads as '<base>:<adapter>'; rename the folder or file without ':'"
         )
     try:
-        model_folder(cfg.model)
+        folder = model_folder(cfg.model)
     except ModelError as e:
-        problems.append(str(e))
+        return [*problems, str(e)]
+    if (folder / INT8_MANIFEST).is_file():
+        problems.append(
+            f"model.name_or_path={name} is raylora's int8 export, which only serve.engine=hf reads; give vLLM the "
+            "unquantised folder (export.quantization=none) or one of its own pre-quantised checkpoints"
+        )
     return problems
 
 

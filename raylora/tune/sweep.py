@@ -223,14 +223,22 @@ def _check_parent(cfg: JobConfig, out: Path) -> None:
 
     run_id = json.loads(saved.read_text())["parent_run_id"]
     uri = tracking_uri(cfg.tracking)
+    where = (
+        f"the sweep in {out} logs to MLflow run {run_id}, which {uri} does not hold; resume with the "
+        "tracking.uri (and working folder) the sweep started with"
+    )
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise ConfigError([("tracking.uri", where)], "the sweep")  # opening a client would create an empty store
     try:
-        mlflow.MlflowClient(uri).get_run(run_id)
+        run = mlflow.MlflowClient(uri).get_run(run_id)
     except mlflow.exceptions.MlflowException:
-        where = (
-            f"the sweep in {out} logs to MLflow run {run_id}, which {uri} does not hold; resume with the "
-            "tracking.uri (and working folder) the sweep started with"
-        )
         raise ConfigError([("tracking.uri", where)], "the sweep") from None
+    if run.info.lifecycle_stage != "active":
+        raise ConfigError(
+            [("tracking.uri", f"the sweep's MLflow parent run {run_id} was deleted; restore it in MLflow, or start "
+                              "the sweep again in another train.output_dir")],
+            "the sweep",
+        )  # fmt: skip
 
 
 def _parent_run(cfg: JobConfig, out: Path, resume: bool) -> str | None:

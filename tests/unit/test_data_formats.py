@@ -175,10 +175,10 @@ def test_format_detection(row, fmt):
     assert detect_format(row) == fmt
 
 
-def test_sharegpt_system_column_and_system_turn_give_one_system_message():
+def test_sharegpt_system_turn_wins_over_the_system_column():
     """Found by use: both were rendered, two system messages in one conversation."""
     turns = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]
     same = {"system": "Be brief.", "conversations": turns}
     assert to_messages(same, "sharegpt", {}, {}) == msgs(("system", "Be brief."), ("user", "a"), ("assistant", "b"))
-    with pytest.raises(RowError, match="system column.*system turn"):
-        to_messages({**same, "system": "Be long."}, "sharegpt", {}, {})
+    other = {**same, "system": "Be long."}  # the turn wins, as LLaMA-Factory reads it
+    assert to_messages(other, "sharegpt", {}, {}) == msgs(("system", "Be brief."), ("user", "a"), ("assistant", "b"))

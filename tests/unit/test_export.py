@@ -3,7 +3,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from raylora.config import ModelArgs, from_dict
+from raylora.config import ModelArgs, from_dict, to_dict
 from raylora.export import export, quantize
 from raylora.models import load_model, model_skeleton, tiny_model
 
@@ -61,3 +61,8 @@ def test_int8_export_is_refused_by_plain_transformers_not_misread(tmp_path, adap
     reloaded, _ = load_model(ModelArgs(name_or_path=str(out)))
     assert not hasattr(reloaded.config, "quantization_config")
     assert model_skeleton(ModelArgs(name_or_path=str(out))).config.num_hidden_layers == 2
+    with pytest.raises(ValueError, match="already an int8 export"):  # its codes would be written as floats
+        export(from_dict(to_dict(_cfg(tmp_path, adapter, "none")) | {"model": {"name_or_path": str(out)}}))
+    (out / "raylora_int8.safetensors").rename(out / "model.safetensors")  # exported by an earlier raylora
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(ModelArgs(name_or_path=str(out)))[0](IDS).logits, reloaded(IDS).logits)

@@ -184,6 +184,13 @@ def test_models_vllm_cannot_load_are_refused(job, tmp_path):
     job.model.name_or_path = str(colon)
     (problem,) = check_vllm_config(job, on("cuda"))
     assert "'a:b'" in problem and "<base>:<adapter>" in problem
+    int8 = tmp_path / "exported"
+    int8.mkdir()
+    (int8 / "config.json").write_text("{}")
+    (int8 / "raylora_int8.json").write_text("{}")
+    job.model.name_or_path = str(int8)
+    (problem,) = check_vllm_config(job, on("cuda"))
+    assert "raylora's int8 export" in problem and "serve.engine=hf" in problem
 
 
 def test_every_problem_is_listed_at_once_and_the_config_refuses_to_build(job):

@@ -70,3 +70,6 @@ def test_a_resumed_job_continues_its_mlflow_run_or_links_a_new_one(tmp_path):
     assert second != first and client.get_run(second).data.tags["raylora.continues_run"] == first
     assert client.get_run(second).data.params["train.max_steps"] == "8"
     assert fit_module.job_run(more, out) == second
+    client.delete_run(second)  # deleted in the MLflow UI: a new run, not a failed reopen
+    third = fit_module.job_run(more, out)
+    assert third not in (first, second) and client.get_run(third).info.status == "RUNNING"

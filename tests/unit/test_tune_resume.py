@@ -24,3 +24,8 @@ def test_resume_against_another_mlflow_store_is_refused_before_ray(tmp_path, roo
         sweep_module.sweep(cfg, resume=True, log=lambda _: None)
     ((key, message),) = err.value.problems
     assert key == "tracking.uri" and run_id in message and other in message
+    assert not (tmp_path / "other.db").exists()  # refused without creating an empty store
+    client.delete_run(run_id)  # deleted in the MLflow UI
+    cfg = load_config(root / "configs/tiny_sweep_cpu.yaml", [f"train.output_dir={out}", f"tracking.uri={started}"])
+    with pytest.raises(ConfigError, match="was deleted"):
+        sweep_module.sweep(cfg, resume=True, log=lambda _: None)
