@@ -191,6 +191,9 @@ def train_worker(config: dict) -> dict:
             if log_metrics:
                 log_metrics(metrics, state.step)
         report = {**metrics, "step": state.step, "resumed_from": resumed_from, "done": int(final)}
+        every = config["report_every"]
+        if not (save_now or evaluate_now or (every and state.step % every == 0)):
+            continue  # a report waits for Ray Train's controller to take the last one (one every 2 s)
         if save_now:
             state.lr_scale = lr_scale[0]
             last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)

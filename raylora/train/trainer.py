@@ -19,13 +19,23 @@ class TrainingError(RuntimeError):
     """The run failed; the message names the likely causes and fixes, not Ray's internals."""
 
 
-def build_trainer(cfg: JobConfig, out: Path, datasets: dict[str, Any], run_id: str | None, run_config: dict[str, Any]):
+def build_trainer(
+    cfg: JobConfig,
+    out: Path,
+    datasets: dict[str, Any],
+    run_id: str | None,
+    run_config: dict[str, Any],
+    report_every: int = 0,
+):
     """The TorchTrainer of one training run writing to ``out``, logging to MLflow run ``run_id``.
 
     Args:
         datasets: from :func:`raylora.train.fit.datasets`. Prepared packs travel in the workers' config (each worker reads its
             share from Ray's object store); a streamed job's Ray Datasets go to Ray Train, which splits them.
         run_config: keyword arguments of ``ray.train.RunConfig`` (see :func:`run_settings`).
+        report_every: steps between reports to Ray Train besides evaluations, checkpoints and the last step (0:
+            none; a sweep whose metric is the training loss needs them). Ray 2.60's controller takes one report
+            every 2 s, and a worker's next report waits for it: reporting every step held a fast step to 2 s.
     """
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -42,6 +52,7 @@ def build_trainer(cfg: JobConfig, out: Path, datasets: dict[str, Any], run_id: s
             "run_id": run_id,
             "packs": packs,
             "datasets": sorted(datasets),
+            "report_every": report_every,
         },
         torch_config=TorchConfig(backend=dist_backend),
         scaling_config=ScalingConfig(**scaling),

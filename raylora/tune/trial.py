@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from raylora.config import JobConfig, from_dict, to_dict
+from raylora.config import JobConfig, from_dict, to_record
 from raylora.tracking import start_run
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
 from raylora.tune import space
@@ -40,7 +40,9 @@ def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | N
     run_id = child_run(cfg, out, parent, trial_id, values)
     settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.metric)]}
     try:
-        check_outcome(build_trainer(cfg, out, datasets, run_id, settings).fit(), cfg)
+        # ASHA reads the metric at every report that holds it: evaluations carry eval_*, logged steps the loss
+        every = 0 if cfg.tune.metric.startswith("eval_") else cfg.train.log_every
+        check_outcome(build_trainer(cfg, out, datasets, run_id, settings, every).fit(), cfg)
     except Exception as e:
         raise TrainingError(f"trial {trial_id} ({values}): {e}") from None
 
@@ -76,7 +78,7 @@ def child_run(cfg: JobConfig, out: Path, parent: str | None, trial_id: str, valu
     run_id = start_run(
         cfg.tracking,
         f"{trial_id} {label}",
-        flatten(to_dict(cfg)),
+        flatten(to_record(cfg)),
         tags={"mlflow.parentRunId": parent, "raylora.trial": trial_id},
     )
     saved.write_text(json.dumps({"run_id": run_id}))

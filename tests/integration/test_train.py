@@ -162,6 +162,14 @@ def test_cheap_checks_fail_before_any_data_work(tmp_path):
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 
+def test_steps_are_not_held_to_ray_trains_report_interval(tmp_path):
+    """Found by use: every logged step reported to Ray Train, whose controller takes one report every 2 s (0.5 s
+    under these tests: conftest.py), so each step of a tiny model took that long."""
+    result = fit(job(tmp_path, "train.max_steps=12", "train.log_every=1", "train.num_workers=1"), log=lambda s: None)
+    clock = [h["tokens"] / h["tokens_per_s"] for h in result["history"]]
+    assert len(clock) == 12 and clock[-1] - clock[0] < 3.0, clock  # 11 reports x 0.5 s before
+
+
 def test_training_data_hands_over_the_shards_the_pack_count_and_the_summary(tmp_path):
     from raylora.data.packs import read_packs
     from raylora.data.pipeline import training_data
