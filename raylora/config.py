@@ -366,6 +366,19 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+SECRETS = (("serve", "api_key"), ("serve", "admin_key"))
+
+
+def to_record(cfg: JobConfig) -> dict[str, Any]:
+    """:func:`to_dict` of the job for what is written or logged (config.yaml, MLflow params, export manifests):
+    the keys in :data:`SECRETS` that are set read ``<redacted>``."""
+    record = to_dict(cfg)
+    for section, key in SECRETS:
+        if record[section][key] is not None:
+            record[section][key] = "<redacted>"
+    return record
+
+
 def _apply_override(raw: dict[str, Any], item: str, problems: list[tuple[str, str]]) -> None:
     key, sep, text = item.partition("=")
     key = key.strip()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from raylora.config import JobConfig, to_dict
+from raylora.config import JobConfig, to_record
 from raylora.model_files import INT8_MANIFEST, TINY, model_folder
 from raylora.models import INT8_QUANTIZATION, INT8_WEIGHTS, load_model
 
@@ -88,7 +88,7 @@ def export(cfg: JobConfig, log=print) -> Path:
             manifest |= {"summary": summary, "smoothed": smoothed}
             (stage / INT8_MANIFEST).write_text(json.dumps(manifest, indent=1))
         tokenizer.save_pretrained(stage)
-        (stage / "raylora_export.json").write_text(json.dumps({**manifest, "config": to_dict(cfg)}, indent=1))
+        (stage / "raylora_export.json").write_text(json.dumps({**manifest, "config": to_record(cfg)}, indent=1))
         stage.rename(out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)

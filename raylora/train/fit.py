@@ -19,7 +19,7 @@ import yaml
 from raylora.backends import planned_backend, worker_plan
 from raylora.cluster import ensure_ray
 from raylora.comm.hooks import check_hook
-from raylora.config import JobConfig, to_dict
+from raylora.config import JobConfig, to_record
 from raylora.data.pipeline import DataError, TrainingData, training_data
 from raylora.data.sources import plan_sources
 from raylora.models import model_skeleton, target_modules
@@ -115,7 +115,7 @@ def job_run(cfg: JobConfig, out: Path) -> str | None:
     """
     if not cfg.tracking.enabled:
         return None
-    params, saved = flatten(to_dict(cfg)), out / RUN_FILE
+    params, saved = flatten(to_record(cfg)), out / RUN_FILE
     earlier = json.loads(saved.read_text())["run_id"] if saved.exists() and newest_checkpoint(out) else None
     if earlier is not None and reopen_run(cfg.tracking, earlier, params):
         return earlier
@@ -200,7 +200,7 @@ def save_outputs(checkpoint: Path, cfg: JobConfig, out: Path) -> list[dict[str, 
     shutil.rmtree(out / "adapter", ignore_errors=True)
     shutil.copytree(checkpoint / "adapter", out / "adapter")
     history = json.loads((checkpoint / "history.json").read_text())
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))
+    (out / "config.yaml").write_text(yaml.safe_dump(to_record(cfg), sort_keys=False, allow_unicode=True))
     (out / "history.json").write_text(json.dumps(history, indent=1))
     plot_history(history, out / "loss.png")
     return history

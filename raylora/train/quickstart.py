@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 
 from raylora.backends import Backend, resolve_backend
-from raylora.config import JobConfig, to_dict
+from raylora.config import JobConfig, to_record
 from raylora.data.encode import tokenizer_spec
 from raylora.data.formats import to_messages
 from raylora.data.pipeline import gather_side
@@ -73,7 +73,7 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
         "answer_before": before,
         "answer_after": after,
     }
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    (out / "config.json").write_text(json.dumps(to_record(cfg), indent=2))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     log(
         f"question: {summary['question']}\nbase model: {before}\nwith adapter: {after}\nadapter saved to {out / 'adapter'}"

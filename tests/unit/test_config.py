@@ -12,6 +12,7 @@ from raylora.config import (
     load_config,
     reference_markdown,
     to_dict,
+    to_record,
 )
 
 
@@ -153,3 +154,12 @@ def test_warm_up_as_long_as_the_run_is_refused():
     ((key, message),) = err.value.problems
     assert key == "train.warmup_steps" and message.startswith("10 is not below train.max_steps=10: warm-up would")
     assert load_config(None, ["train.max_steps=10", "train.warmup_steps=9"]).train.warmup_steps == 9
+
+
+def test_records_of_a_job_hold_no_keys():
+    """Found by use: serve.api_key and serve.admin_key reached MLflow's params and every run's config.yaml."""
+    cfg = load_config(None, ["serve.api_key=TOPSECRET", "serve.admin_key=ADMINSECRET"])
+    record = to_record(cfg)
+    assert record["serve"]["api_key"] == record["serve"]["admin_key"] == "<redacted>"
+    assert "SECRET" not in repr(record) and cfg.serve.api_key == "TOPSECRET"  # the job itself keeps them
+    assert to_record(load_config(None))["serve"]["api_key"] is None
