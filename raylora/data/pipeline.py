@@ -282,6 +282,11 @@ def _eval_keys(cfg: JobConfig, plan: dict) -> frozenset:
     raw = ray.data.read_datasource(reader, override_num_blocks=len(plan))
     with file_failures():
         keys = raw.select_columns(["source", "line"]).take_all()
+    if cfg.data.eval_count >= len(keys):
+        raise DataError(
+            f"data.eval_count={cfg.data.eval_count} would hold out every row: the sources have {len(keys)} "
+            f"(data.max_samples={cfg.data.max_samples} a file); lower data.eval_count or add data"
+        )
     ranked = sorted(keys, key=lambda k: split_draw(cfg.data.seed, k["source"], k["line"]))
     return frozenset((k["source"], k["line"]) for k in ranked[: cfg.data.eval_count])
 

@@ -86,6 +86,19 @@ def check(cfg: JobConfig) -> None:
                 f"(e.g. {max(1, cfg.train.max_steps // 8)}) or use tune.scheduler=none",
             )
         )
+    if tune.scheduler == "asha":
+        grace = tune.grace_steps or cfg.train.eval_every
+        if grace > cfg.train.max_steps:
+            key = "tune.grace_steps" if tune.grace_steps else "train.eval_every"
+            problems.append(
+                (key, f"is {grace}, past train.max_steps={cfg.train.max_steps}: ASHA's first rung must come before "
+                      "the last step; lower it, or use tune.scheduler=none")
+            )  # fmt: skip
+        elif grace == 0 and not tune.metric.startswith("eval_"):  # an eval metric: the eval_every problem above
+            problems.append(
+                ("tune.grace_steps", "is not set and train.eval_every is 0: ASHA needs the steps every trial runs "
+                                     f"before it may stop one; set it (e.g. {max(1, cfg.train.max_steps // 4)})")
+            )  # fmt: skip
     if tune.register_as is not None:
         from raylora.registry import AdapterError, check_name
 
@@ -106,6 +119,15 @@ def trial_values(cfg: JobConfig, key: str) -> list[Any]:
         return list(next(iter(spec.values())))
     section, name = key.split(".")
     return [getattr(getattr(cfg, section), name)]
+
+
+def largest(cfg: JobConfig, key: str) -> Any:
+    """The largest value a trial may take for a numeric ``key`` (a range's high end, randint's excluded)."""
+    spec = cfg.tune.space.get(key)
+    if isinstance(spec, dict) and next(iter(spec)) in RANGES:
+        kind, (low, high) = next(iter(spec.items()))
+        return high - 1 if kind == "randint" else high
+    return max(trial_values(cfg, key))
 
 
 def problem_key(cfg: JobConfig, key: str) -> str:

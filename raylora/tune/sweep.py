@@ -26,8 +26,8 @@ from typing import Any
 
 from raylora.backends import worker_plan
 from raylora.cluster import ensure_ray
-from raylora.config import ConfigError, JobConfig, to_dict
-from raylora.data.pipeline import training_data
+from raylora.config import ConfigError, JobConfig, from_dict, to_dict, to_record
+from raylora.data.pipeline import DataError, training_data
 from raylora.data.sources import plan_sources
 from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
 from raylora.train.fit import TrainingError, check_enough, datasets, flatten, save_outputs
@@ -79,7 +79,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     ensure_ray()
     at_once = trials_at_once(cfg)
     data = training_data(cfg, log)
-    check_enough(cfg, data.packs)
+    _check_data(cfg, data)
     out.mkdir(parents=True, exist_ok=True)
     parent = _parent_run(cfg, out, resume)
     callbacks = [_release_stopped_callback(out)]
@@ -154,6 +154,28 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
         "parent_run_id": parent,
         "registered": registered,
     }  # fmt: skip
+
+
+def _check_data(cfg: JobConfig, data) -> None:
+    """What only the prepared data tells, before any trial: an eval metric needs eval rows, and the largest
+    trial a micro-batch per worker.
+
+    Raises:
+        ConfigError: the eval split came out empty. DataError: too few training sequences for the largest trial.
+    """
+    if cfg.tune.metric.startswith("eval_") and data.eval is None:
+        raise ConfigError(
+            [("data.eval_fraction", f"left no eval rows, and tune.metric={cfg.tune.metric} needs them; raise "
+                                    "data.eval_fraction (or set data.eval_count), or use tune.metric=loss")],
+            "the sweep",
+        )  # fmt: skip
+    keys = ("train.batch_size", "train.num_workers")
+    biggest = {key: space.largest(cfg, key) for key in keys}
+    try:
+        check_enough(from_dict(space.apply(to_dict(cfg), biggest)), data.packs)
+    except DataError as e:
+        searched = ", ".join(f"{k}={v}" for k, v in biggest.items() if k in cfg.tune.space)
+        raise DataError(f"a trial with {searched}: {e}" if searched else str(e)) from None
 
 
 def _check(cfg: JobConfig) -> None:
@@ -252,7 +274,7 @@ def _parent_run(cfg: JobConfig, out: Path, resume: bool) -> str | None:
         run_id = json.loads(saved.read_text())["parent_run_id"]
         mlflow.MlflowClient(tracking_uri(cfg.tracking)).update_run(run_id, status="RUNNING")
         return run_id
-    params = {**flatten(to_dict(cfg)), **{f"space.{k}": v for k, v in cfg.tune.space.items()}}
+    params = {**flatten(to_record(cfg)), **{f"space.{k}": v for k, v in cfg.tune.space.items()}}
     run_id = start_run(cfg.tracking, f"{out.name} sweep", params, tags={"raylora.sweep": "parent"})
     saved.write_text(json.dumps({"parent_run_id": run_id}))
     return run_id

@@ -136,6 +136,9 @@ def test_split_is_deterministic_and_eval_count_exact(tmp_path, mixed):
     )
     assert counted["splits"]["eval"]["examples"] == 7 and counted["splits"]["train"]["examples"] == 3
     assert counted["splits"]["eval"]["packs"] == 7  # no packing: one example per sequence
+    every = config(tmp_path / "d", mixed, only_text, "data.eval_fraction=0", "data.eval_count=10")
+    with pytest.raises(DataError, match=r"data.eval_count=10 would hold out every row: the sources have 10"):
+        prepare(every, log=lambda s: None)  # found by use: exit 0 with 0 training examples
 
 
 def test_two_copies_of_a_file_are_both_trained_and_a_broken_array_is_named_plainly(tmp_path, mixed):

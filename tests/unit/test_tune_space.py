@@ -95,3 +95,26 @@ def test_to_tune_and_apply():
     assert domains["lora.rank"] == tune.grid_search([4, 8]) and domains["train.lr"].lower == 1e-5
     job = space.apply({"lora": {"rank": 8}, "train": {"lr": 1.0}}, {"lora.rank": 4})
     assert job == {"lora": {"rank": 4}, "train": {"lr": 1.0}}
+
+
+def test_asha_rungs_past_the_last_step_are_refused():
+    """Found by use: ASHA's assertion ended the sweep with a traceback, after the data was prepared."""
+    assert "past train.max_steps=8" in problems("tune.grace_steps=9")["tune.grace_steps"]
+    assert "past train.max_steps=8" in problems("train.eval_every=10")["train.eval_every"]  # the default rung
+    no_rung = problems("tune.metric=loss", "train.eval_every=0")
+    assert "set it (e.g. 2)" in no_rung["tune.grace_steps"]
+
+
+def test_what_only_the_prepared_data_tells_is_refused_before_any_trial():
+    """Found by use: an empty eval split ended in Tune's traceback (runs left RUNNING); a searched batch larger than
+    the data failed every trial three times."""
+    from raylora.data.pipeline import DataError, TrainingData
+    from raylora.tune.sweep import _check_data
+
+    data = TrainingData(train=None, eval=None, packs=20, finish=dict)
+    with pytest.raises(ConfigError, match="left no eval rows"):
+        _check_data(load_config(TINY), data)
+    cfg = load_config(TINY, ["tune.metric=loss", "tune.space={train.batch_size: {choice: [2, 32]}}"])
+    with pytest.raises(DataError, match=r"a trial with train.batch_size=32: the training data has 20 sequences"):
+        _check_data(cfg, data)
+    _check_data(load_config(TINY, ["tune.metric=loss"]), data)
