@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from raylora.config import ConfigError, load_config
-from raylora.paths import anchor_outputs
+from raylora.paths import anchor_inputs, anchor_outputs
 
 COMMANDS = {
     "quickstart": "single-process LoRA fine-tune of a few steps, save the adapter, answer a question",
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
         cfg = load_config(args.config, args.overrides)
-        cfg = anchor_outputs(cfg, args.command, args.config)
+        cfg = anchor_inputs(anchor_outputs(cfg, args.command, args.config))
         if args.command == "tune":
             from raylora.tune.space import check
 

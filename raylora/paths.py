@@ -1,4 +1,5 @@
-"""Where a job's relative output paths go, so that nothing it writes lands in a folder Ray deletes.
+"""Where a job's relative output paths go, so that nothing it writes lands in a folder Ray deletes, and where its
+relative inputs are read from.
 
 ``ray job submit --working-dir .`` runs the entry script inside Ray's temporary copy of the working
 folder (``.../runtime_resources/working_dir_files/_ray_pkg_<hash>``), which Ray garbage-collects.
@@ -12,6 +13,7 @@ refused with the fix.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 from pathlib import Path
 
@@ -81,6 +83,36 @@ def anchor_outputs(cfg: JobConfig, command: str, source: str = "config") -> JobC
     if problems:
         raise ConfigError(problems, source)
     return dataclasses.replace(cfg, **sections)
+
+
+def anchor_inputs(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with each relative input path (data sources, ``data.dataset_info``, ``model.name_or_path``,
+    ``export.adapter``) that names nothing in the working folder but something under ``$RAYLORA_BASE_DIR`` made
+    absolute there.
+
+    A job runs in Ray's copy of the working folder, which holds what ``--working-dir`` uploaded, not
+    ``../shared/data`` beside it. Paths found in the working folder, and registry names found nowhere, stay as given;
+    without ``$RAYLORA_BASE_DIR`` nothing changes.
+    """
+    chosen = os.environ.get(BASE_ENV)
+    if not chosen:
+        return cfg
+    base = Path(chosen)
+
+    def moved(value: str | None) -> str | None:
+        if value is None or Path(value).is_absolute() or glob.glob(value):
+            return value
+        return str(base / value) if glob.glob(str(base / value)) else value
+
+    data = dataclasses.replace(
+        cfg.data,
+        sources=[dataclasses.replace(s, path=moved(s.path)) for s in cfg.data.sources],
+        dataset_info=moved(cfg.data.dataset_info),
+    )
+    model = dataclasses.replace(cfg.model, name_or_path=moved(cfg.model.name_or_path))
+    return dataclasses.replace(
+        cfg, data=data, model=model, export=dataclasses.replace(cfg.export, adapter=moved(cfg.export.adapter))
+    )
 
 
 def _relative_sqlite(uri: str | None) -> str | None:

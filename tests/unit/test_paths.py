@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from raylora.config import ConfigError, load_config
-from raylora.paths import anchor_outputs
+from raylora.paths import anchor_inputs, anchor_outputs
 
 
 @pytest.fixture
@@ -58,3 +58,22 @@ def test_absolute_outputs_in_rays_copy_pass_unchanged(ray_copy, tmp_path):
     cfg = load_config(None, [f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data",
                              f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])  # fmt: skip
     assert anchor_outputs(cfg, "tune") == cfg
+
+
+def test_inputs_missing_from_rays_copy_are_read_from_the_base_folder(ray_copy, tmp_path, monkeypatch):
+    """Found by use: the README's identity job read ../shared/data relative to Ray's copy, where it is not."""
+    home = tmp_path / "home" / "repo"
+    home.mkdir(parents=True)
+    (home.parent / "shared").mkdir()
+    (home.parent / "shared" / "identity.json").write_text("[]")
+    (ray_copy / "data").mkdir()
+    (ray_copy / "data" / "mine.jsonl").write_text("")
+    sources = "data.sources=[{path: ../shared/identity.json}, {path: data/mine.jsonl}, {path: data/*.jsonl}]"
+    cfg = load_config(None, [sources, "model.name_or_path=smollm2-135m-instruct", "export.adapter=../shared"])
+    monkeypatch.setenv("RAYLORA_BASE_DIR", str(home))
+    anchored = anchor_inputs(cfg)
+    assert [s.path for s in anchored.data.sources] == [str(home / "../shared/identity.json"), "data/mine.jsonl",
+                                                       "data/*.jsonl"]  # fmt: skip
+    assert anchored.model.name_or_path == "smollm2-135m-instruct" and anchored.export.adapter == str(home / "../shared")
+    monkeypatch.delenv("RAYLORA_BASE_DIR")
+    assert anchor_inputs(cfg) == cfg  # without a base folder, nothing to read them from
