@@ -283,7 +283,12 @@ class BackendArgs:
         choices=("auto", "fp32", "bf16", "fp16"),
     )
     hccl_connect_timeout: int = _f(1800, help="HCCL_CONNECT_TIMEOUT seconds (NPU)", min=120, max=7200)
-    hccl_exec_timeout: int | None = _f(None, help="HCCL_EXEC_TIMEOUT seconds (NPU; None: CANN default)", min=0)
+    hccl_exec_timeout: int | None = _f(
+        None,
+        help="HCCL_EXEC_TIMEOUT seconds (NPU; None: CANN default; Atlas A2/A3: 0 = never; 910A: 1-17340, "
+        "rounded down to a multiple of 68)",
+        min=0,
+    )
     hccl_buffsize: int | None = _f(None, help="HCCL_BUFFSIZE MB per communicator (NPU; None: CANN default 200)", min=1)
     hccl_if_ip: str | None = _f(None, help="HCCL_IF_IP: this host's NIC address for HCCL (NPU)")
     hccl_socket_ifname: str | None = _f(None, help="HCCL_SOCKET_IFNAME: NIC name prefix for HCCL (NPU)")

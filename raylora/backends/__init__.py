@@ -2,7 +2,8 @@
 
 ``resolve_backend(args)`` picks the device (npu → cuda → cpu unless one is asked for) and
 returns a :class:`Backend` describing everything the rest of raylora needs from it.
-torch_npu is imported only when an NPU is asked for or probed.
+raylora imports torch_npu only when an NPU is asked for or probed (torch_npu 2.5 and later also loads itself with
+``import torch``, through torch's device-backend autoload, unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).
 """
 
 from __future__ import annotations

@@ -58,9 +58,22 @@ class Backend:
         """``bf16``, ``fp16`` or ``fp32``: the autocast dtype by name."""
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.amp_dtype, "fp32")
 
-    def torch_device(self, local_rank: int = 0) -> torch.device:
-        """The worker's device; Ray's visible-devices variable makes local index ``local_rank`` valid."""
-        return torch.device("cpu") if self.name == "cpu" else torch.device(self.name, local_rank)
+    def torch_device(self) -> torch.device:
+        """This process's device, made current: in a Ray worker, the accelerator Ray assigned it, at its index among
+        the devices the process sees (``ray.train.torch.get_device``: Ray Train shares a node's CUDA devices among
+        its workers, while each NPU worker sees only its own card); index 0 outside Ray."""
+        if self.name == "cpu":
+            return torch.device("cpu")
+        device = torch.device(self.name, 0)
+        import ray
+
+        if ray.is_initialized():
+            from ray.train.torch import get_device
+
+            assigned = get_device()
+            device = assigned if assigned.type == self.name else device
+        getattr(torch, self.name).set_device(device)  # torch.cuda / torch.npu: collectives and kernels use it
+        return device
 
     def ddp_device_ids(self, device: torch.device) -> list[int] | None:
         """``device_ids`` for ``DistributedDataParallel``: the worker's accelerator, none on cpu."""
@@ -80,7 +93,7 @@ class Backend:
             ("autocast", str(self.amp_dtype or "off (fp32)") + (" + grad scaler" if self.needs_grad_scaler else "")
                          + f"; {self.precision_by}"),
         ]  # fmt: skip
-        if self.name == "npu":  # what HCCL will read: raylora's settings, overridden by the caller's environment
+        if self.name == "npu":  # what HCCL will read: the caller's environment, and raylora's settings it leaves unset
             env = {**self.env, **{k: v for k, v in os.environ.items() if k.startswith("HCCL_")}}
             rows += sorted(env.items())
         return rows
@@ -163,8 +176,8 @@ class Backend:
     def profiler(self, folder: Path) -> Any:
         """A step profiler with :data:`PROFILE_SCHEDULE` (call ``.step()`` after each training step).
 
-        ``torch_npu.profiler`` on NPU, whose trace handler writes the trace and its operator tables
-        (``ASCEND_PROFILER_OUTPUT/operator_details.csv``) under ``folder``; ``torch.profiler`` elsewhere,
+        ``torch_npu.profiler`` on NPU, whose trace handler writes a run folder under ``folder``
+        (``<worker>_<timestamp>_ascend_pt/``, with the trace and operator tables in its ``ASCEND_PROFILER_OUTPUT/``); ``torch.profiler`` elsewhere,
         writing ``trace.json`` (Chrome trace) and ``top_operators.txt`` (operators by self time).
         """
         folder.mkdir(parents=True, exist_ok=True)

@@ -20,10 +20,10 @@ def probe() -> tuple[bool, str]:
 
 
 def make(args: BackendArgs, detected_by: str) -> Backend:
-    bf16 = torch.cuda.is_bf16_supported()
+    bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 (before sm80) is slow
     auto = (torch.bfloat16, False) if bf16 else (torch.float16, True)
     dtype, scaler = amp_from_precision(args.precision, auto)
-    how = precision_note(args.precision, auto, f"torch.cuda.is_bf16_supported() is {bf16}")
+    how = precision_note(args.precision, auto, f"torch.cuda.is_bf16_supported(including_emulation=False) is {bf16}")
     nccl = torch.cuda.nccl.version()
     no_bf16 = f"NCCL {'.'.join(map(str, nccl))} reduces no bf16 (2.10 and later do)" if nccl < (2, 10) else ""
     return Backend(

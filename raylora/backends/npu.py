@@ -1,6 +1,7 @@
 """Huawei Ascend NPUs through torch_npu: HCCL, bf16 on Atlas A2/A3, fp16 + scaler on 910A and 310P.
 
-torch_npu is imported only inside :func:`probe`: installed without CANN it breaks ``import torch``.
+raylora imports torch_npu only inside :func:`probe` (installed without CANN it breaks ``import torch``, which also
+loads it through torch's device-backend autoload from torch_npu 2.5 on, unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def amp_for_soc(soc: str) -> tuple[torch.dtype, bool]:
 def hccl_env(args: BackendArgs) -> dict[str, str]:
     """HCCL variables for every worker, built only from documented HCCL settings.
 
-    HCCL_ALGO is deliberately never set: setting it turns off HCCL's automatic algorithm choice.
+    HCCL_ALGO is deliberately never set: setting it turns off HCCL's automatic algorithm choice. A variable already
+    set in this environment is left out: Ray's runtime environment would override each node's own value (such as a
+    per-host ``HCCL_IF_IP``), and workers of a cluster started here inherit this one.
     """
     env = {"HCCL_CONNECT_TIMEOUT": str(args.hccl_connect_timeout)}
     optional = {
@@ -67,7 +70,7 @@ def hccl_env(args: BackendArgs) -> dict[str, str]:
         "HCCL_SOCKET_IFNAME": args.hccl_socket_ifname,
     }
     env.update({k: str(v) for k, v in optional.items() if v is not None})
-    return env
+    return {k: v for k, v in env.items() if k not in os.environ}
 
 
 def soc_name() -> str:

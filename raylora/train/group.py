@@ -137,7 +137,7 @@ class Group:
     ):
         self.cfg = cfg
         self.backend = resolve_backend(cfg.backend)
-        self.device = self.backend.torch_device(local_rank)
+        self.device = self.backend.torch_device()
         self.shard, self.eval_rows = shard, eval_rows or []
         self._epoch_indices = functools.lru_cache(maxsize=16)(self.shard.indices)
         self.rank, self.world = rank, world

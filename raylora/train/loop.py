@@ -55,7 +55,7 @@ def train_worker(config: dict) -> dict:
     backend = resolve_backend(cfg.backend)
     if world > 1:
         check_hook(cfg.train, backend)  # the driver may not have seen this device (an NPU's SoC)
-    device = backend.torch_device(context.get_local_rank())
+    device = backend.torch_device()
     record_worker(Path(cfg.train.output_dir), rank, device)
     torch.set_num_threads(
         max(1, math.ceil(cfg.train.cpus_per_worker))
@@ -351,13 +351,13 @@ def evaluate(model, shard, batch_size: int, pad_id: int, mask_dtype, backend: Ba
     """Eval loss per label token (and perplexity) over every worker's eval shard; ``model``: a ``LossModel``."""
     model.eval()
     device = next(model.parameters()).device
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    total = torch.zeros(2, dtype=torch.float32, device=device)  # HCCL all-reduces no float64
     for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
         tensors = {k: v.to(device) for k, v in collate_packs(batch.to_pylist(), pad_id, mask_dtype).items()}
         with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
             loss_sum = model(**tensors)
         targets = (tensors["labels"][:, 1:] != IGNORE_INDEX).sum()
-        total += torch.stack([loss_sum.double(), targets.double()])
+        total += torch.stack([loss_sum.float(), targets.float()])
     if world > 1:
         dist.all_reduce(total)
     model.train()

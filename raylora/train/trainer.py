@@ -54,7 +54,8 @@ def build_trainer(
             "datasets": sorted(datasets),
             "report_every": report_every,
         },
-        torch_config=TorchConfig(backend=dist_backend),
+        # the ranks' store waits as long as HCCL may take to connect (Ray's default: 1800 s)
+        torch_config=TorchConfig(backend=dist_backend, timeout_s=max(1800, cfg.backend.hccl_connect_timeout)),
         scaling_config=ScalingConfig(**scaling),
         run_config=RunConfig(**run_config, worker_runtime_env={"env_vars": env} if env else None),
         datasets={name: d for name, d in datasets.items() if name not in packs},

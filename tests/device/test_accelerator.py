@@ -14,7 +14,7 @@ def accelerator():
 
 
 def test_autocast_matmul_runs_on_the_detected_device(accelerator):
-    device = accelerator.torch_device(0)
+    device = accelerator.torch_device()
     a = torch.randn(256, 256, device=device)
     with torch.autocast(accelerator.name, dtype=accelerator.amp_dtype, enabled=accelerator.amp_dtype is not None):
         out = a @ a

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from raylora.backends import BackendError, cpu, cuda, npu, resolve_backend
+from raylora.backends import Backend, BackendError, cpu, cuda, npu, resolve_backend
 from raylora.config import BackendArgs
 
 # the HCCL variables CANN documents that raylora may set (HCCL_ALGO is real but must stay unset)
@@ -34,7 +34,7 @@ def test_cpu_is_chosen_when_nothing_else_is_present():
         False,
     )
     assert b.detected_by.startswith("auto:") and "torch_npu is not installed" in b.detected_by
-    assert b.torch_device(3) == torch.device("cpu")
+    assert b.torch_device() == torch.device("cpu")
     assert b.scaling(2) == {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1.0}}
     assert b.env == {} and b.visible_devices_env is None
     assert b.peak_memory_mb() > 10
@@ -164,6 +164,29 @@ def test_hccl_env_holds_only_documented_variables(fake_npu):
     assert set(env) <= DOCUMENTED
 
 
+def test_hccl_variables_set_in_the_environment_are_left_to_it(monkeypatch):
+    """Review: Ray's runtime environment overrode each node's own exported value (a per-host HCCL_IF_IP)."""
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "900")
+    monkeypatch.setenv("HCCL_IF_IP", "10.0.0.7")
+    assert npu.hccl_env(BackendArgs(hccl_if_ip="10.0.0.2", hccl_buffsize=400)) == {"HCCL_BUFFSIZE": "400"}
+
+
+def test_an_accelerator_workers_device_is_the_one_ray_assigned(monkeypatch):
+    """Review: every worker took index local_rank, but an NPU worker sees only its own card (index 0)."""
+    import ray
+    import ray.train.torch
+
+    cuda = Backend("cuda", "test", "nccl", "GPU", "CUDA_VISIBLE_DEVICES", torch.bfloat16, False)
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert cuda.torch_device() == torch.device("cuda", 0)  # outside Ray
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cuda", 3))
+    assert cuda.torch_device() == torch.device("cuda", 3)
+    assert made_current == [torch.device("cuda", 0), torch.device("cuda", 3)]
+
+
 def test_a_broken_torch_npu_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(npu.importlib.util, "find_spec", lambda name: object())
 
@@ -177,7 +200,7 @@ def test_a_broken_torch_npu_is_reported_not_raised(monkeypatch):
 
 def test_cuda_backend_shape(monkeypatch):
     monkeypatch.setattr(cuda, "probe", lambda: (True, "fake"))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: including_emulation)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
     b = resolve_backend(BackendArgs())
     assert (b.name, b.dist_backend, b.ray_resource, b.visible_devices_env) == (
@@ -187,7 +210,7 @@ def test_cuda_backend_shape(monkeypatch):
         "CUDA_VISIBLE_DEVICES",
     )
     assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
-    assert b.precision_by == "auto: fp16 (torch.cuda.is_bf16_supported() is False)"
+    assert b.precision_by == "auto: fp16 (torch.cuda.is_bf16_supported(including_emulation=False) is False)"
     assert b.scaling(4) == {"num_workers": 4, "use_gpu": True}
     assert b.collective_problem(torch.bfloat16) is None and b.ddp_device_ids(torch.device("cuda", 3)) == [3]
 
@@ -201,7 +224,7 @@ def test_collectives_without_bf16_say_why(fake_npu, monkeypatch):
     fake_npu("Ascend910B3")
     assert resolve_backend(BackendArgs(device="npu")).collective_problem(torch.bfloat16) is None
     monkeypatch.setattr(cuda, "probe", lambda: (True, "fake"))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: True)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 7, 8))
     assert "NCCL 2.7.8" in resolve_backend(BackendArgs(device="cuda")).collective_problem(torch.bfloat16)
 
