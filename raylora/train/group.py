@@ -494,7 +494,9 @@ class Group:
         finally:
             self.model.train()
         targets = sum(1 for r in self.eval_rows for t in r["labels"][1:] if t != IGNORE_INDEX)
-        total = torch.tensor([[sums[m.name], float(targets)] for m in members], dtype=torch.float64, device=self.device)
+        total = torch.tensor(  # float32: HCCL all-reduces no float64
+            [[sums[m.name], float(targets)] for m in members], dtype=torch.float32, device=self.device
+        )
         if self.world > 1:
             dist.all_reduce(total)
             total /= self.world  # every worker evaluated all the eval rows
