@@ -74,13 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         print(render(rows, problems))
         return 1 if problems else 0
     from raylora.backends import BackendError
+    from raylora.data.sources import DataError
     from raylora.demo import DemoError
     from raylora.model_files import ModelError
     from raylora.tracking import TrackingError
     from raylora.train.checkpoint import CheckpointError
     from raylora.train.fit import TrainingError
 
-    expected = (BackendError, ModelError, TrackingError, CheckpointError, TrainingError, DemoError, ValueError, OSError)
+    # exit 2: the input is wrong (config, model, data, checkpoint, device); exit 1: the run failed
+    bad_input = (ConfigError, ModelError, DataError, CheckpointError, BackendError)
+    failed = (TrackingError, TrainingError, DemoError, ValueError, OSError)
 
     try:
         if args.command == "prepare":
@@ -123,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a sweep's trial that does not fit the cluster, found once Ray is up
         print(e, file=sys.stderr)
         return 2
-    except expected as e:
+    except bad_input as e:
+        print(f"raylora {args.command}: {e}", file=sys.stderr)
+        return 2
+    except failed as e:
         print(f"raylora {args.command}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -392,7 +392,10 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[tuple[str, st
         return
     try:
         value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if text.strip().startswith(("[", "{")):  # a list or mapping gone wrong, not a string
+            problems.append((key, f"{text!r} is not valid YAML ({str(e).splitlines()[0]}); e.g. {key}=[a,b]"))
+            return
         value = text
     node = raw
     parts = key.split(".")
@@ -488,7 +491,8 @@ def _check_rules(value: Any, rules: Any, path: str, problems: list[tuple[str, st
         problems.append((path, f"must not be empty ({rules['help']})"))
     if "choices" in rules and value not in rules["choices"]:
         allowed = ", ".join(map(str, rules["choices"]))
-        near = difflib.get_close_matches(str(value), list(map(str, rules["choices"])), n=1)
+        near = [_VALUES_KNOWN_AS[value]] if _VALUES_KNOWN_AS.get(value) in rules["choices"] else []
+        near = near or difflib.get_close_matches(str(value), list(map(str, rules["choices"])), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         problems.append((path, f"got {value!r}, allowed: {allowed}{hint}"))
     bounds = [("min", lambda v, b: v >= b, "≥"), ("max", lambda v, b: v <= b, "≤"),
@@ -533,6 +537,8 @@ def _check_sources(data: DataArgs, problems: list[tuple[str, str]]) -> None:
             )
 
 
+# Other names of allowed values (difflib finds 'npu' nearest to 'gpu')
+_VALUES_KNOWN_AS = {"gpu": "cuda", "ascend": "npu", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # What Hugging Face Trainer, peft and LLaMA-Factory call our keys (a typo's nearest spelling misses these).
 _KNOWN_AS = {
     "learning_rate": "lr", "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",

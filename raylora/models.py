@@ -6,6 +6,7 @@ Where model files come from (registry, GGUF cache, tokenizers) is ``raylora.mode
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -160,4 +161,6 @@ def attach_lora(model: PreTrainedModel, args: LoraArgs):
         target_modules=target_modules(model, args.target_modules),
         use_rslora=args.use_rslora, use_dora=args.use_dora, task_type="CAUSAL_LM",
     )  # fmt: skip
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated is_gradient_checkpointing: noise per run
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)

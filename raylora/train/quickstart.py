@@ -22,7 +22,7 @@ from raylora.data.encode import tokenizer_spec
 from raylora.data.formats import to_messages
 from raylora.data.pipeline import gather_side
 from raylora.data.read import first_row, iter_blocks
-from raylora.data.sources import plan_sources
+from raylora.data.sources import DataError, plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, worker_spec
 from raylora.models import attach_lora, load_model
 from raylora.train.lm import training_model
@@ -37,7 +37,7 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
         Summary dict (also written to ``summary.json``): losses per step, tokens/s, adapter folder,
         row counts, and the question with the answers before and after tuning.
     Raises:
-        DataError: bad sources; ValueError: no usable training row.
+        DataError: bad sources, or no usable training row.
     """
     out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
         f"data: {counts['rows_kept']} rows in {len(packs)} packed sequences, {counts['rows_rejected']} rejected (see {out / 'rejects.jsonl'})"
     )
     if not packs:
-        raise ValueError(f"no usable training row in {', '.join(plan)}; see {out / 'rejects.jsonl'}")
+        raise DataError(f"no usable training row in {', '.join(plan)}; see {out / 'rejects.jsonl'}")
     path = next(iter(plan))
     first = to_messages(first_row(path)[1], plan[path]["format"], plan[path]["columns"], cfg.data.placeholders)
     question = [m for m in first if m["role"] in ("system", "user")][-1:]

@@ -392,7 +392,8 @@ def _write_table(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _plot(cfg: JobConfig, rows: list[dict[str, Any]], path: Path) -> None:
-    """The metric of every trial over lora.rank x train.lr (else the first two searched keys), one marker per status."""
+    """The metric of every trial over lora.rank x train.lr (else the first two searched keys; with one, the metric
+    over it), one marker per status."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -401,10 +402,11 @@ def _plot(cfg: JobConfig, rows: list[dict[str, Any]], path: Path) -> None:
     keys = [k for k in ("train.lr", "lora.rank") if k in cfg.tune.space]
     keys += [k for k in cfg.tune.space if k not in keys]
     x_key, y_key = (keys + [None])[:2]
-    x_of, y_of = _axis(rows, x_key), _axis(rows, y_key)
     fig, ax = plt.subplots(figsize=(7, 5), dpi=100)
     finite = [r["metric"] for r in rows if math.isfinite(r["metric"])]
     low, high = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    x_of = _axis(rows, x_key)
+    y_of = _axis(rows, y_key) if y_key else lambda r: r["metric"] if math.isfinite(r["metric"]) else high
     for status, marker in (("completed", "o"), ("stopped early", "s"), ("failed", "x")):
         group = [r for r in rows if r["status"] == status]
         if not group:
@@ -423,7 +425,7 @@ def _plot(cfg: JobConfig, rows: list[dict[str, Any]], path: Path) -> None:
     if y_key == "lora.rank":
         ax.set_yscale("log", base=2)
     ax.set_xlabel(x_key)
-    ax.set_ylabel(y_key or "")
+    ax.set_ylabel(y_key or cfg.tune.metric)
     ax.set_title(f"{cfg.tune.metric} per trial ({cfg.tune.mode}imise)")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
@@ -432,10 +434,8 @@ def _plot(cfg: JobConfig, rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _axis(rows: list[dict[str, Any]], key: str | None):
+def _axis(rows: list[dict[str, Any]], key: str):
     """Position of a row on a plot axis: the value of ``key`` if numeric, else its index among the sorted values."""
-    if key is None:
-        return lambda row: 0.0
     values = [row[key] for row in rows]
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         return lambda row: float(row[key])

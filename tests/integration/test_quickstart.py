@@ -47,5 +47,5 @@ def test_quickstart_with_no_usable_row_fails_clearly(tmp_path, root):
          f"data.sources=[{{path: {data}}}]", f"train.output_dir={tmp_path}/out"],
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad data: bad input
     assert "no usable training row" in proc.stderr and "Traceback" not in proc.stderr

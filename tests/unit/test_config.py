@@ -163,3 +163,13 @@ def test_records_of_a_job_hold_no_keys():
     assert record["serve"]["api_key"] == record["serve"]["admin_key"] == "<redacted>"
     assert "SECRET" not in repr(record) and cfg.serve.api_key == "TOPSECRET"  # the job itself keeps them
     assert to_record(load_config(None))["serve"]["api_key"] is None
+
+
+def test_a_broken_list_override_and_other_names_of_values_are_caught():
+    """Found by use: lora.target_modules=[q_proj became the module name '[q_proj'; device gpu suggested 'npu'."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["lora.target_modules=[q_proj", "backend.device=gpu", "backend.precision=bfloat16"])
+    problems = dict(err.value.problems)
+    assert "is not valid YAML" in problems["lora.target_modules"]
+    assert "did you mean 'cuda'" in problems["backend.device"]
+    assert "did you mean 'bf16'" in problems["backend.precision"]
