@@ -17,10 +17,15 @@ Layout of ``train.output_dir``::
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+import os
 import shutil
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +127,19 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=1, callbacks=callbacks),
         )
     try:
-        grid = tuner.fit()
+        with _stop_signals() as stopped:
+            grid = tuner.fit()
+            stopped = stopped()
     finally:
         if group_broker is not None:
             groups.stop(group_broker)
+    unfinished = space.trial_count(cfg.tune) - len(_completed_trials(cfg, out))
+    if stopped and unfinished:  # the trials Tune ended are not "stopped early": --resume runs them on
+        finish_run(cfg.tracking, parent, [], "KILLED")
+        raise TrainingError(
+            f"the sweep was stopped by a signal with {unfinished} of {space.trial_count(cfg.tune)} trial(s) unfinished; "
+            f"continue it with: raylora tune <config> --resume (same train.output_dir={out})"
+        )
     rows = [_finish_trial(cfg, result) for result in grid]
     completed = [r for r in rows if r["status"] == "completed"]
     _write_table(rows, out / "results.csv")
@@ -154,6 +168,40 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
         "parent_run_id": parent,
         "registered": registered,
     }  # fmt: skip
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[Callable[[], bool]]:
+    """Around ``tuner.fit()``: yields whether a signal stopped the sweep.
+
+    Tune stops gracefully on SIGINT (saving its state for --resume), ending its trials as if they had finished; a
+    scheduler's SIGTERM takes the same way. Tune's handler puts back the one it found at its first SIGINT, and
+    otherwise stays: the handler in place afterwards tells. Signals reach only the main thread: elsewhere, no
+    signal is handled and none is reported.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def before_tune(*_) -> None:
+        raise KeyboardInterrupt
+
+    previous = (
+        signal.signal(signal.SIGINT, before_tune),
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT)),
+    )
+    try:
+        yield lambda: signal.getsignal(signal.SIGINT) is before_tune
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
+def _completed_trials(cfg: JobConfig, out: Path) -> list[Path]:
+    """The trial folders holding their last step's checkpoint."""
+    trials = out / "trials"
+    folders = sorted(trials.iterdir()) if trials.is_dir() else []
+    return [f for f in folders if _final_checkpoint(f, cfg.train.max_steps) is not None]
 
 
 def _check_data(cfg: JobConfig, data) -> None:

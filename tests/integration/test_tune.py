@@ -123,3 +123,31 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
     assert len(rows) == 2 and all(",completed," in row for row in rows)
     assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_sweep_stopped_by_a_signal_says_so_and_labels_no_trial(tmp_path, ray_tmp):
+    """Found by use: a stopped sweep (SIGINT) marked its running trials 'stopped early' (ASHA's label) and closed
+    their MLflow runs; with SIGTERM, as schedulers stop jobs, it left every run RUNNING and wrote no results."""
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
+           *overrides(tmp_path, "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
+                      "tune.max_concurrent=1", "tune.scheduler=none", "train.max_steps=120", "train.eval_every=0")]  # fmt: skip
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+    trials = tmp_path / "sweep" / "trials"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and not list(trials.glob("*/workers/rank0.json")):
+            time.sleep(0.5)
+        driver.send_signal(signal.SIGTERM)  # during the first trial: the second never starts
+        driver.wait(timeout=180)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        stop_cluster(ray_tmp)
+    said = (tmp_path / "driver.err").read_text()
+    assert driver.returncode == 1 and "stopped by a signal" in said and "--resume" in said, said[-3000:]
+    assert not (tmp_path / "sweep" / "results.csv").exists()  # no trial labelled before the sweep ends
+    parent = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["parent_run_id"]
+    assert mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(parent).info.status == "KILLED"
