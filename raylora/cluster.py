@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
 import ray
@@ -69,6 +72,26 @@ def unanswered(address: str) -> str | None:
             return None
     except OSError as e:
         return e.strerror or str(e)
+
+
+@contextlib.contextmanager
+def sigterm_stops(before: Callable[[], None]) -> Iterator[None]:
+    """Within: SIGTERM (``ray job stop``, a scheduler) runs ``before`` (marking the MLflow run KILLED: ``ray job
+    stop`` kills the process a few seconds later) and then stops the process the way Ctrl-C does, which Ray Train and
+    Tune handle gracefully. Signals reach only the main thread: elsewhere, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(*_) -> None:
+        before()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def normal_priority() -> str:

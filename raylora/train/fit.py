@@ -9,6 +9,7 @@ number of workers, and continues the job's MLflow run when the settings are the 
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import yaml
 
 from raylora.backends import planned_backend, worker_plan
-from raylora.cluster import ensure_ray
+from raylora.cluster import ensure_ray, sigterm_stops
 from raylora.comm.hooks import check_hook
 from raylora.config import JobConfig, to_record
 from raylora.data.pipeline import DataError, TrainingData, training_data
@@ -54,8 +55,15 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     check_enough(cfg, data.packs)
     run_id = job_run(cfg, out)
     trainer = build_trainer(cfg, out, datasets(data), run_id, run_settings(cfg, out))
+    stopped = functools.partial(finish_run, cfg.tracking, run_id, [], "KILLED")
     try:
-        result = trainer.fit()
+        with sigterm_stops(stopped):
+            result = trainer.fit()
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C (Ray Train aborts the run and exits) or SIGTERM
+        stopped()
+        raise TrainingError(
+            f"training was stopped; run the same command again to resume from the last checkpoint in {out / 'ray'}"
+        ) from None
     except Exception as e:
         finish_run(cfg.tracking, run_id, [], "FAILED")
         raise TrainingError(_explain(e, out)) from None

@@ -21,7 +21,6 @@ import contextlib
 import csv
 import json
 import math
-import os
 import shutil
 import signal
 import threading
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from raylora.backends import worker_plan
-from raylora.cluster import ensure_ray
+from raylora.cluster import ensure_ray, sigterm_stops
 from raylora.config import ConfigError, JobConfig, from_dict, to_dict, to_record
 from raylora.data.pipeline import DataError, training_data
 from raylora.data.sources import plan_sources
@@ -127,7 +126,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=1, callbacks=callbacks),
         )
     try:
-        with _stop_signals() as stopped:
+        with sigterm_stops(lambda: finish_run(cfg.tracking, parent, [], "KILLED")), _sigint_seen() as stopped:
             grid = tuner.fit()
             stopped = stopped()
     finally:
@@ -171,13 +170,12 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _stop_signals() -> Iterator[Callable[[], bool]]:
-    """Around ``tuner.fit()``: yields whether a signal stopped the sweep.
+def _sigint_seen() -> Iterator[Callable[[], bool]]:
+    """Around ``tuner.fit()``: yields whether SIGINT (Ctrl-C, or SIGTERM through :func:`sigterm_stops`) stopped it.
 
-    Tune stops gracefully on SIGINT (saving its state for --resume), ending its trials as if they had finished; a
-    scheduler's SIGTERM takes the same way. Tune's handler puts back the one it found at its first SIGINT, and
-    otherwise stays: the handler in place afterwards tells. Signals reach only the main thread: elsewhere, no
-    signal is handled and none is reported.
+    Tune stops gracefully on SIGINT (saving its state for --resume), ending its trials as if they had finished.
+    Tune's handler puts back the one it found at its first SIGINT, and otherwise stays: the handler in place
+    afterwards tells. Signals reach only the main thread: elsewhere, none is reported.
     """
     if threading.current_thread() is not threading.main_thread():
         yield lambda: False
@@ -186,15 +184,11 @@ def _stop_signals() -> Iterator[Callable[[], bool]]:
     def before_tune(*_) -> None:
         raise KeyboardInterrupt
 
-    previous = (
-        signal.signal(signal.SIGINT, before_tune),
-        signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT)),
-    )
+    previous = signal.signal(signal.SIGINT, before_tune)
     try:
         yield lambda: signal.getsignal(signal.SIGINT) is before_tune
     finally:
-        signal.signal(signal.SIGINT, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
+        signal.signal(signal.SIGINT, previous)
 
 
 def _completed_trials(cfg: JobConfig, out: Path) -> list[Path]:

@@ -3,6 +3,8 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -255,3 +257,27 @@ def _lora_model(cfg):
     from raylora.models import attach_lora
 
     return attach_lora(tiny_model("llama"), cfg.lora)
+
+
+def test_a_stopped_run_ends_its_mlflow_run_killed_and_says_how_to_resume(tmp_path, ray_tmp):
+    """Found by use: Ctrl-C or `ray job stop` (SIGTERM) left the MLflow run RUNNING for good, with no word."""
+    cmd = [sys.executable, "-m", "raylora.cli", "train", "configs/tiny_lora_cpu.yaml", f"train.output_dir={tmp_path}/run",
+           f"data.output_dir={tmp_path}/data", "train.num_workers=1", "train.max_steps=5000", "train.log_every=100",
+           "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]  # fmt: skip
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen(cmd, env={**os.environ, "RAY_TMPDIR": ray_tmp}, start_new_session=True,
+                                  stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (tmp_path / "run" / "workers" / "rank0.json").exists():
+            time.sleep(0.5)
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=120)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    said = (tmp_path / "driver.err").read_text()
+    assert driver.returncode == 1 and "training was stopped; run the same command again" in said, said[-3000:]
+    run_id = json.loads((tmp_path / "run" / "mlflow_run.json").read_text())["run_id"]
+    assert mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).info.status == "KILLED"
