@@ -20,6 +20,15 @@ from raylora.config import JobConfig, to_record
 from raylora.model_files import INT8_MANIFEST, TINY, model_folder
 from raylora.models import INT8_QUANTIZATION, INT8_WEIGHTS, load_model
 
+INT8_README = """# raylora int8 export (W8A8)
+
+Base `{base}`, adapter `{adapter}`, quantised by `raylora export`. Only raylora reads this folder: its int8 weights
+are in `raylora_int8.safetensors`, which transformers' `from_pretrained` does not load (it reports no
+`model.safetensors`, and warns of the unknown quantisation method `raylora-int8`). Serve it with `raylora serve`
+(`model.name_or_path` set to this folder, `serve.quantization: none`) or load it with
+`raylora.models.load_model(ModelArgs(name_or_path=...))`.
+"""
+
 
 def quantize(model, tokenizer, cfg: JobConfig, method: str) -> dict:
     """Quantise ``model`` in place (``w8a8`` or ``w8a8-smoothquant``, alpha ``serve.smoothquant_alpha``).
@@ -87,6 +96,9 @@ def export(cfg: JobConfig, log=print) -> Path:
             smoothed = sorted(n.removesuffix(".smooth") for n, _ in model.named_buffers() if n.endswith(".smooth"))
             manifest |= {"summary": summary, "smoothed": smoothed}
             (stage / INT8_MANIFEST).write_text(json.dumps(manifest, indent=1))
+            (stage / "README.md").write_text(
+                INT8_README.format(base=cfg.model.name_or_path, adapter=cfg.export.adapter)
+            )
         tokenizer.save_pretrained(stage)
         (stage / "raylora_export.json").write_text(json.dumps({**manifest, "config": to_record(cfg)}, indent=1))
         stage.rename(out)

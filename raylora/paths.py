@@ -58,6 +58,9 @@ def anchor_outputs(cfg: JobConfig, command: str, source: str = "config") -> JobC
     cwd = Path.cwd()
     if chosen and not Path(chosen).is_absolute():
         raise ConfigError([(f"${BASE_ENV}", f"got {chosen!r}; it must be an absolute folder")], source)
+    if chosen and not Path(chosen).is_dir():  # a typo would put every output in a new folder, and find no input
+        raise ConfigError([(f"${BASE_ENV}", f"{chosen} is not a folder on this machine; name the submitting folder")],
+                          source)  # fmt: skip
     base = Path(chosen) if chosen else cwd
     refuse = not chosen and in_ray_copy(cwd)
     problems: list[tuple[str, str]] = []

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from raylora.config import JobConfig, from_dict, to_record
-from raylora.tracking import start_run
+from raylora.tracking import finish_run, start_run
+from raylora.train.checkpoint import newest as newest_checkpoint
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
 from raylora.tune import space
 
@@ -68,19 +69,21 @@ def _metric_reports(metric: str):
 
 
 def child_run(cfg: JobConfig, out: Path, parent: str | None, trial_id: str, values: dict[str, Any]) -> str | None:
-    """The trial's MLflow child run: created once, and found again in ``out/mlflow_run.json`` when the trial resumes."""
+    """The trial's MLflow child run: created once, and found again in ``out/mlflow_run.json`` when the trial resumes
+    from a checkpoint. A trial stopped before its first checkpoint trains again from step 0: a new child run, tagged
+    ``raylora.replaces_run``, whose curve does not repeat the steps of the one it replaces (closed as KILLED)."""
     if parent is None:
         return None
     saved = out / "mlflow_run.json"
+    tags = {"mlflow.parentRunId": parent, "raylora.trial": trial_id}
     if saved.exists():
-        return json.loads(saved.read_text())["run_id"]
+        earlier = json.loads(saved.read_text())["run_id"]
+        if newest_checkpoint(out) is not None:
+            return earlier
+        finish_run(cfg.tracking, earlier, [], "KILLED")
+        tags["raylora.replaces_run"] = earlier
     label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in values.items())
-    run_id = start_run(
-        cfg.tracking,
-        f"{trial_id} {label}",
-        flatten(to_record(cfg)),
-        tags={"mlflow.parentRunId": parent, "raylora.trial": trial_id},
-    )
+    run_id = start_run(cfg.tracking, f"{trial_id} {label}", flatten(to_record(cfg)), tags=tags)
     saved.write_text(json.dumps({"run_id": run_id}))
     return run_id
 

@@ -58,6 +58,7 @@ def test_int8_export_is_refused_by_plain_transformers_not_misread(tmp_path, adap
     out = export(_cfg(tmp_path, adapter, "w8a8"), log=lambda _: None)
     with pytest.raises(OSError, match="model.safetensors"):
         AutoModelForCausalLM.from_pretrained(out)
+    assert "Only raylora reads this folder" in (out / "README.md").read_text()
     reloaded, _ = load_model(ModelArgs(name_or_path=str(out)))
     assert not hasattr(reloaded.config, "quantization_config")
     assert model_skeleton(ModelArgs(name_or_path=str(out))).config.num_hidden_layers == 2

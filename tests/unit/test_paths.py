@@ -31,6 +31,9 @@ def test_relative_outputs_in_rays_copy_are_refused_with_both_fixes(ray_copy):
 
 def test_base_dir_from_the_jobs_environment_anchors_every_output(ray_copy, tmp_path, monkeypatch):
     monkeypatch.setenv("RAYLORA_BASE_DIR", str(tmp_path / "home"))
+    with pytest.raises(ConfigError, match="is not a folder on this machine"):  # found by use: a typo went unnoticed
+        anchor_outputs(load_config(None), "tune")
+    (tmp_path / "home").mkdir()
     cfg = anchor_outputs(load_config(None, ["tracking.uri=sqlite:///runs/m.db"]), "tune")
     assert cfg.train.output_dir == str(tmp_path / "home" / "outputs/run")
     assert cfg.data.output_dir == str(tmp_path / "home" / "outputs/data")

@@ -29,3 +29,24 @@ def test_resume_against_another_mlflow_store_is_refused_before_ray(tmp_path, roo
     cfg = load_config(root / "configs/tiny_sweep_cpu.yaml", [f"train.output_dir={out}", f"tracking.uri={started}"])
     with pytest.raises(ConfigError, match="was deleted"):
         sweep_module.sweep(cfg, resume=True, log=lambda _: None)
+
+
+def test_a_trial_restarting_from_step_0_gets_a_new_child_run(tmp_path, root, monkeypatch):
+    """Found by use: a trial stopped before its first checkpoint trained again from step 0 into the same child run,
+    whose curves then repeated steps 2, 4, 6."""
+    from raylora.tune.trial import child_run
+
+    monkeypatch.chdir(root)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(root / "configs/tiny_sweep_cpu.yaml", [f"tracking.uri={uri}"])
+    client = mlflow.MlflowClient(uri)
+    parent = client.create_run(client.create_experiment("s")).info.run_id
+    out = tmp_path / "trial"
+    out.mkdir()
+    first = child_run(cfg, out, parent, "t0", {"train.lr": 0.01})
+    second = child_run(cfg, out, parent, "t0", {"train.lr": 0.01})  # resumed with no checkpoint
+    assert second != first and client.get_run(first).info.status == "KILLED"
+    assert client.get_run(second).data.tags["raylora.replaces_run"] == first
+    (out / "ray" / "checkpoint_1").mkdir(parents=True)
+    (out / "ray" / "checkpoint_1" / "meta.json").write_text(json.dumps({"step": 2}))
+    assert child_run(cfg, out, parent, "t0", {"train.lr": 0.01}) == second  # resumed from its checkpoint
