@@ -84,7 +84,11 @@ def sigterm_stops(before: Callable[[], None]) -> Iterator[None]:
         return
 
     def stop(*_) -> None:
-        before()
+        try:
+            before()
+        except Exception as e:  # the store unreachable: stopping matters more
+            print(f"could not mark the MLflow run stopped: {e}", file=sys.stderr)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # Ray starts job entrypoints with SIGINT blocked
         os.kill(os.getpid(), signal.SIGINT)
 
     previous = signal.signal(signal.SIGTERM, stop)

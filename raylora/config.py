@@ -372,6 +372,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 SECRETS = (("serve", "api_key"), ("serve", "admin_key"))
+REDACTED = "<redacted>"
 
 
 def to_record(cfg: JobConfig) -> dict[str, Any]:
@@ -380,7 +381,7 @@ def to_record(cfg: JobConfig) -> dict[str, Any]:
     record = to_dict(cfg)
     for section, key in SECRETS:
         if record[section][key] is not None:
-            record[section][key] = "<redacted>"
+            record[section][key] = REDACTED
     return record
 
 
@@ -394,7 +395,13 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[tuple[str, st
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as e:
         if text.strip().startswith(("[", "{")):  # a list or mapping gone wrong, not a string
-            problems.append((key, f"{text!r} is not valid YAML ({str(e).splitlines()[0]}); e.g. {key}=[a,b]"))
+            problems.append(
+                (
+                    key,
+                    f"{text!r} is not valid YAML ({str(e).splitlines()[0]}); e.g. {key}=[a,b], or quote a string: "
+                    f"{key}='{text}'",
+                )
+            )
             return
         value = text
     node = raw
@@ -508,6 +515,10 @@ def _check_rules(value: Any, rules: Any, path: str, problems: list[tuple[str, st
 def _check_relations(cfg: JobConfig, problems: list[tuple[str, str]]) -> None:
     if cfg.data.eval_fraction > 0 and cfg.data.eval_count is not None:
         problems.append(("data.eval_count", "set either data.eval_fraction or data.eval_count, not both"))
+    for section, key in SECRETS:
+        if getattr(getattr(cfg, section), key) == REDACTED:
+            problems.append((f"{section}.{key}", f"is {REDACTED!r}, what a written config holds in place of the key; "
+                                                 "set the key here or in the environment (RAYLORA_API_KEY, RAYLORA_ADMIN_KEY)"))  # fmt: skip
     if cfg.train.warmup_steps >= cfg.train.max_steps > 0:
         problems.append((
             "train.warmup_steps",

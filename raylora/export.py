@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from raylora.config import JobConfig, to_record
-from raylora.model_files import INT8_MANIFEST, TINY, model_folder
+from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
 from raylora.models import INT8_QUANTIZATION, INT8_WEIGHTS, load_model
 
 INT8_README = """# raylora int8 export (W8A8)
@@ -57,13 +57,14 @@ def export(cfg: JobConfig, log=print) -> Path:
 
     Raises:
         FileExistsError: the output folder exists (nothing is overwritten).
-        ValueError: bad quantisation settings; ModelError: the base model or adapter is missing.
+        ValueError: bad quantisation settings; ModelError: the base model or adapter is missing, or the base is
+            already an int8 export.
     """
     out = Path(cfg.export.output_dir)
     if out.exists():
         raise FileExistsError(f"export.output_dir={out} exists; remove it or choose another folder")
     if cfg.model.name_or_path not in TINY and (model_folder(cfg.model) / INT8_MANIFEST).is_file():
-        raise ValueError(
+        raise ModelError(
             f"model.name_or_path={cfg.model.name_or_path} is already an int8 export; export from the original base "
             "(its int8 weights written as a plain folder would be read as floats)"
         )
@@ -72,7 +73,7 @@ def export(cfg: JobConfig, log=print) -> Path:
         from peft import PeftModel
 
         if not (Path(cfg.export.adapter) / "adapter_config.json").is_file():
-            raise ValueError(
+            raise ModelError(
                 f"export.adapter={cfg.export.adapter} is not a peft adapter folder (no adapter_config.json)"
             )
         model = PeftModel.from_pretrained(model, cfg.export.adapter).merge_and_unload()
@@ -97,7 +98,7 @@ def export(cfg: JobConfig, log=print) -> Path:
             manifest |= {"summary": summary, "smoothed": smoothed}
             (stage / INT8_MANIFEST).write_text(json.dumps(manifest, indent=1))
             (stage / "README.md").write_text(
-                INT8_README.format(base=cfg.model.name_or_path, adapter=cfg.export.adapter)
+                INT8_README.format(base=cfg.model.name_or_path, adapter=cfg.export.adapter or "none")
             )
         tokenizer.save_pretrained(stage)
         (stage / "raylora_export.json").write_text(json.dumps({**manifest, "config": to_record(cfg)}, indent=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import resource
@@ -59,9 +60,10 @@ class Backend:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.amp_dtype, "fp32")
 
     def torch_device(self) -> torch.device:
-        """This process's device, made current: in a Ray worker, the accelerator Ray assigned it, at its index among
-        the devices the process sees (``ray.train.torch.get_device``: Ray Train shares a node's CUDA devices among
-        its workers, while each NPU worker sees only its own card); index 0 outside Ray."""
+        """This process's device, made current: in a Ray Train worker, the accelerator Ray assigned it, at its index
+        among the devices the process sees (``ray.train.torch.get_device``: Ray Train shares a node's CUDA devices
+        among its workers, while each NPU worker sees only its own card); index 0 elsewhere (a plain Ray actor, such
+        as a Serve replica or a grouped sweep's worker, sees only the device Ray gave it)."""
         if self.name == "cpu":
             return torch.device("cpu")
         device = torch.device(self.name, 0)
@@ -70,8 +72,9 @@ class Backend:
         if ray.is_initialized():
             from ray.train.torch import get_device
 
-            assigned = get_device()
-            device = assigned if assigned.type == self.name else device
+            with contextlib.suppress(RuntimeError):  # outside a Ray Train training function
+                assigned = get_device()
+                device = assigned if assigned.type == self.name else device
         getattr(torch, self.name).set_device(device)  # torch.cuda / torch.npu: collectives and kernels use it
         return device
 
@@ -93,8 +96,8 @@ class Backend:
             ("autocast", str(self.amp_dtype or "off (fp32)") + (" + grad scaler" if self.needs_grad_scaler else "")
                          + f"; {self.precision_by}"),
         ]  # fmt: skip
-        if self.name == "npu":  # what HCCL will read: the caller's environment, and raylora's settings it leaves unset
-            env = {**self.env, **{k: v for k, v in os.environ.items() if k.startswith("HCCL_")}}
+        if self.name == "npu":  # what HCCL will read: raylora's settings, and the caller's environment beside them
+            env = {**{k: v for k, v in os.environ.items() if k.startswith("HCCL_")}, **self.env}
             rows += sorted(env.items())
         return rows
 

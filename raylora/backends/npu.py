@@ -58,11 +58,14 @@ def amp_for_soc(soc: str) -> tuple[torch.dtype, bool]:
 def hccl_env(args: BackendArgs) -> dict[str, str]:
     """HCCL variables for every worker, built only from documented HCCL settings.
 
-    HCCL_ALGO is deliberately never set: setting it turns off HCCL's automatic algorithm choice. A variable already
-    set in this environment is left out: Ray's runtime environment would override each node's own value (such as a
-    per-host ``HCCL_IF_IP``), and workers of a cluster started here inherit this one.
+    HCCL_ALGO is deliberately never set: setting it turns off HCCL's automatic algorithm choice. What the config
+    sets wins; the optional variables are sent only when set there, so a node's own (a per-host ``HCCL_IF_IP``)
+    stays in effect; ``HCCL_CONNECT_TIMEOUT`` left at raylora's default takes this environment's value if it has one.
     """
-    env = {"HCCL_CONNECT_TIMEOUT": str(args.hccl_connect_timeout)}
+    timeout = str(args.hccl_connect_timeout)
+    if args.hccl_connect_timeout == BackendArgs().hccl_connect_timeout:
+        timeout = os.environ.get("HCCL_CONNECT_TIMEOUT", timeout)
+    env = {"HCCL_CONNECT_TIMEOUT": timeout}
     optional = {
         "HCCL_EXEC_TIMEOUT": args.hccl_exec_timeout,
         "HCCL_BUFFSIZE": args.hccl_buffsize,
@@ -70,7 +73,7 @@ def hccl_env(args: BackendArgs) -> dict[str, str]:
         "HCCL_SOCKET_IFNAME": args.hccl_socket_ifname,
     }
     env.update({k: str(v) for k, v in optional.items() if v is not None})
-    return {k: v for k, v in env.items() if k not in os.environ}
+    return env
 
 
 def soc_name() -> str:

@@ -351,15 +351,17 @@ def evaluate(model, shard, batch_size: int, pad_id: int, mask_dtype, backend: Ba
     """Eval loss per label token (and perplexity) over every worker's eval shard; ``model``: a ``LossModel``."""
     model.eval()
     device = next(model.parameters()).device
-    total = torch.zeros(2, dtype=torch.float32, device=device)  # HCCL all-reduces no float64
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
         tensors = {k: v.to(device) for k, v in collate_packs(batch.to_pylist(), pad_id, mask_dtype).items()}
         with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
             loss_sum = model(**tensors)
         targets = (tensors["labels"][:, 1:] != IGNORE_INDEX).sum()
-        total += torch.stack([loss_sum.float(), targets.float()])
-    if world > 1:
-        dist.all_reduce(total)
+        total += torch.stack([loss_sum.double(), targets.double()])
+    if world > 1:  # HCCL all-reduces no float64
+        reduced = total.float()
+        dist.all_reduce(reduced)
+        total = reduced.double()
     model.train()
     if total[1] == 0:
         return {}

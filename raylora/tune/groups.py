@@ -327,7 +327,8 @@ class GroupWorker:
                     resume = Path(join["resume_from"]) if join["resume_from"] else None
                     group.join(join["trial"], cfg, Path(join["out"]), resume)
                     if group.rank == 0:
-                        run_id = child_run(cfg, Path(join["out"]), join["parent"], join["trial"], join["values"])
+                        run_id = child_run(cfg, Path(join["out"]), join["parent"], join["trial"], join["values"],
+                                           resume is not None)  # fmt: skip
                         loggers[join["trial"]] = metric_logger(
                             tracking_uri(cfg.tracking) if run_id else None, run_id, 0
                         )

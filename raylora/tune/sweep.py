@@ -21,6 +21,7 @@ import contextlib
 import csv
 import json
 import math
+import os
 import shutil
 import signal
 import threading
@@ -125,20 +126,24 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             ),
             run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=1, callbacks=callbacks),
         )
+    stopped_by_signal = TrainingError(
+        f"the sweep was stopped by a signal before every trial completed; continue it with: raylora tune <config> "
+        f"--resume (same train.output_dir={out})"
+    )
     try:
         with sigterm_stops(lambda: finish_run(cfg.tracking, parent, [], "KILLED")), _sigint_seen() as stopped:
             grid = tuner.fit()
             stopped = stopped()
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before Tune took over its handling
+        finish_run(cfg.tracking, parent, [], "KILLED")
+        raise stopped_by_signal from None
     finally:
         if group_broker is not None:
             groups.stop(group_broker)
-    unfinished = space.trial_count(cfg.tune) - len(_completed_trials(cfg, out))
-    if stopped and unfinished:  # the trials Tune ended are not "stopped early": --resume runs them on
+    if stopped and len(_completed_trials(cfg, out)) < space.trial_count(cfg.tune):
+        # the trials Tune ended are not "stopped early" (nor are ASHA's told apart here): --resume runs them on
         finish_run(cfg.tracking, parent, [], "KILLED")
-        raise TrainingError(
-            f"the sweep was stopped by a signal with {unfinished} of {space.trial_count(cfg.tune)} trial(s) unfinished; "
-            f"continue it with: raylora tune <config> --resume (same train.output_dir={out})"
-        )
+        raise stopped_by_signal
     rows = [_finish_trial(cfg, result) for result in grid]
     completed = [r for r in rows if r["status"] == "completed"]
     _write_table(rows, out / "results.csv")
@@ -177,8 +182,11 @@ def _sigint_seen() -> Iterator[Callable[[], bool]]:
     Tune's handler puts back the one it found at its first SIGINT, and otherwise stays: the handler in place
     afterwards tells. Signals reach only the main thread: elsewhere, none is reported.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or os.environ.get("TUNE_DISABLE_SIGINT_HANDLER") == "1"
+    ):
+        yield lambda: False  # no signal reaches this thread, or Tune does not handle it (then it raises)
         return
 
     def before_tune(*_) -> None:

@@ -38,7 +38,7 @@ def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | N
     out = Path(job["train"]["output_dir"]) / "trials" / trial_id
     out.mkdir(parents=True, exist_ok=True)
     cfg = trial_config(job, values, out)
-    run_id = child_run(cfg, out, parent, trial_id, values)
+    run_id = child_run(cfg, out, parent, trial_id, values, newest_checkpoint(out) is not None)  # Train resumes there
     settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.metric)]}
     try:
         # ASHA reads the metric at every report that holds it: evaluations carry eval_*, logged steps the loss
@@ -68,17 +68,20 @@ def _metric_reports(metric: str):
     return MetricReports()
 
 
-def child_run(cfg: JobConfig, out: Path, parent: str | None, trial_id: str, values: dict[str, Any]) -> str | None:
-    """The trial's MLflow child run: created once, and found again in ``out/mlflow_run.json`` when the trial resumes
-    from a checkpoint. A trial stopped before its first checkpoint trains again from step 0: a new child run, tagged
-    ``raylora.replaces_run``, whose curve does not repeat the steps of the one it replaces (closed as KILLED)."""
+def child_run(
+    cfg: JobConfig, out: Path, parent: str | None, trial_id: str, values: dict[str, Any], resumes: bool
+) -> str | None:
+    """The trial's MLflow child run: created once, and found again in ``out/mlflow_run.json`` when the trial
+    ``resumes`` from a checkpoint. A trial that trains again from step 0 (stopped before its first checkpoint) gets a
+    new child run, tagged ``raylora.replaces_run``, whose curve does not repeat the steps of the one it replaces
+    (closed as KILLED)."""
     if parent is None:
         return None
     saved = out / "mlflow_run.json"
     tags = {"mlflow.parentRunId": parent, "raylora.trial": trial_id}
     if saved.exists():
         earlier = json.loads(saved.read_text())["run_id"]
-        if newest_checkpoint(out) is not None:
+        if resumes:
             return earlier
         finish_run(cfg.tracking, earlier, [], "KILLED")
         tags["raylora.replaces_run"] = earlier

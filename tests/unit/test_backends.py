@@ -164,11 +164,13 @@ def test_hccl_env_holds_only_documented_variables(fake_npu):
     assert set(env) <= DOCUMENTED
 
 
-def test_hccl_variables_set_in_the_environment_are_left_to_it(monkeypatch):
-    """Review: Ray's runtime environment overrode each node's own exported value (a per-host HCCL_IF_IP)."""
+def test_hccl_variables_the_config_leaves_unset_are_left_to_the_environment(monkeypatch):
+    """Review: raylora's default connect timeout overrode the one the environment set."""
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "900")
-    monkeypatch.setenv("HCCL_IF_IP", "10.0.0.7")
-    assert npu.hccl_env(BackendArgs(hccl_if_ip="10.0.0.2", hccl_buffsize=400)) == {"HCCL_BUFFSIZE": "400"}
+    monkeypatch.setenv("HCCL_IF_IP", "10.0.0.7")  # a node's own: never sent from here unless the config sets it
+    assert npu.hccl_env(BackendArgs(hccl_buffsize=400)) == {"HCCL_CONNECT_TIMEOUT": "900", "HCCL_BUFFSIZE": "400"}
+    explicit = BackendArgs(hccl_connect_timeout=600, hccl_if_ip="10.0.0.2")  # what the config sets wins
+    assert npu.hccl_env(explicit) == {"HCCL_CONNECT_TIMEOUT": "600", "HCCL_IF_IP": "10.0.0.2"}
 
 
 def test_an_accelerator_workers_device_is_the_one_ray_assigned(monkeypatch):
@@ -182,9 +184,10 @@ def test_an_accelerator_workers_device_is_the_one_ray_assigned(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     assert cuda.torch_device() == torch.device("cuda", 0)  # outside Ray
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert cuda.torch_device() == torch.device("cuda", 0)  # a plain actor (Serve replica): Ray Train's call refuses
     monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cuda", 3))
     assert cuda.torch_device() == torch.device("cuda", 3)
-    assert made_current == [torch.device("cuda", 0), torch.device("cuda", 3)]
+    assert made_current == [torch.device("cuda", 0)] * 2 + [torch.device("cuda", 3)]
 
 
 def test_a_broken_torch_npu_is_reported_not_raised(monkeypatch):

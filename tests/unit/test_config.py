@@ -163,6 +163,8 @@ def test_records_of_a_job_hold_no_keys():
     assert record["serve"]["api_key"] == record["serve"]["admin_key"] == "<redacted>"
     assert "SECRET" not in repr(record) and cfg.serve.api_key == "TOPSECRET"  # the job itself keeps them
     assert to_record(load_config(None))["serve"]["api_key"] is None
+    with pytest.raises(ConfigError, match="what a written config holds in place of the key"):  # review
+        from_dict(record)
 
 
 def test_a_broken_list_override_and_other_names_of_values_are_caught():

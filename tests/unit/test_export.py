@@ -5,6 +5,7 @@ from transformers import AutoModelForCausalLM
 
 from raylora.config import ModelArgs, from_dict, to_dict
 from raylora.export import export, quantize
+from raylora.model_files import ModelError
 from raylora.models import load_model, model_skeleton, tiny_model
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 250, 11]])
@@ -62,7 +63,7 @@ def test_int8_export_is_refused_by_plain_transformers_not_misread(tmp_path, adap
     reloaded, _ = load_model(ModelArgs(name_or_path=str(out)))
     assert not hasattr(reloaded.config, "quantization_config")
     assert model_skeleton(ModelArgs(name_or_path=str(out))).config.num_hidden_layers == 2
-    with pytest.raises(ValueError, match="already an int8 export"):  # its codes would be written as floats
+    with pytest.raises(ModelError, match="already an int8 export"):  # its codes would be written as floats
         export(from_dict(to_dict(_cfg(tmp_path, adapter, "none")) | {"model": {"name_or_path": str(out)}}))
     (out / "raylora_int8.safetensors").rename(out / "model.safetensors")  # exported by an earlier raylora
     with torch.no_grad():

@@ -43,10 +43,8 @@ def test_a_trial_restarting_from_step_0_gets_a_new_child_run(tmp_path, root, mon
     parent = client.create_run(client.create_experiment("s")).info.run_id
     out = tmp_path / "trial"
     out.mkdir()
-    first = child_run(cfg, out, parent, "t0", {"train.lr": 0.01})
-    second = child_run(cfg, out, parent, "t0", {"train.lr": 0.01})  # resumed with no checkpoint
+    first = child_run(cfg, out, parent, "t0", {"train.lr": 0.01}, resumes=False)
+    second = child_run(cfg, out, parent, "t0", {"train.lr": 0.01}, resumes=False)  # again from step 0
     assert second != first and client.get_run(first).info.status == "KILLED"
     assert client.get_run(second).data.tags["raylora.replaces_run"] == first
-    (out / "ray" / "checkpoint_1").mkdir(parents=True)
-    (out / "ray" / "checkpoint_1" / "meta.json").write_text(json.dumps({"step": 2}))
-    assert child_run(cfg, out, parent, "t0", {"train.lr": 0.01}) == second  # resumed from its checkpoint
+    assert child_run(cfg, out, parent, "t0", {"train.lr": 0.01}, resumes=True) == second  # from its checkpoint
