@@ -50,6 +50,7 @@ bench: install
 	$(PY) bench/linear_ce.py
 	$(PY) bench/ray_helpers.py
 	$(PY) bench/packed_attention.py
+	$(PY) bench/report_interval.py
 
 lint: install
 	$(VENV)/bin/ruff check raylora tests jobs bench

@@ -48,7 +48,9 @@ def main() -> None:
                 if k:
                     times[name].append(elapsed)
         base, ours = (statistics.median(times[name]) * 1000 for name in paths)
-        print(f"| (2, 512, {width}) {str(dtype).removeprefix('torch.')} | {base:.2f} | {ours:.2f} | {base / ours:.2f}x |")
+        print(
+            f"| (2, 512, {width}) {str(dtype).removeprefix('torch.')} | {base:.2f} | {ours:.2f} | {base / ours:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
