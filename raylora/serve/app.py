@@ -23,6 +23,7 @@ from raylora.serve import protocol
 from raylora.serve.adapters import install, list_local, local_adapter
 from raylora.serve.protocol import ApiError
 from raylora.serve.replica import LLMServer
+from raylora.serve.tools import CallStream, split_calls
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="raylora", docs_url=None, redoc_url=None, openapi_url=None)  # only /health is open
@@ -123,6 +124,10 @@ async def _next_event(stream) -> dict:
     return event
 
 
+def _names(gen: protocol.Generation) -> set[str]:
+    return {tool["function"]["name"] for tool in gen.tools or []}
+
+
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Ingress:
@@ -215,7 +220,7 @@ class Ingress:
         adapter = "" if gen.model == self.base else await asyncio.to_thread(self._known_adapter, gen.model)
         payload = {"messages": gen.messages, "prompt": gen.prompt, "max_tokens": gen.max_tokens,
                    "temperature": gen.temperature, "top_p": gen.top_p, "stop": list(gen.stop), "seed": gen.seed,
-                   "stream": gen.stream}  # fmt: skip
+                   "stream": gen.stream, "tools": gen.tools}  # fmt: skip
         stream = self.llm.options(stream=True, multiplexed_model_id=adapter).generate.remote(payload)
         rid = protocol.completion_id(chat)
         first = await _next_event(stream)  # errors before the first token still get a proper status code
@@ -227,9 +232,13 @@ class Ingress:
         if events[-1]["error"]:
             raise ApiError(500, events[-1]["error"], code="generation_failed")
         last = events[-1]
-        text = "".join(e["text"] for e in events)
+        text, calls = "".join(e["text"] for e in events), []
+        if gen.tool_choice == "auto":
+            text, calls = split_calls(text, _names(gen))
+            calls = calls if gen.parallel_tool_calls else calls[:1]
         use = protocol.usage(last["prompt_tokens"], last["completion_tokens"])
-        return protocol.response(rid, gen.model, chat, text, last["finish_reason"], use)
+        finish = "tool_calls" if calls else last["finish_reason"]
+        return protocol.response(rid, gen.model, chat, text, finish, use, calls)
 
     def _known_adapter(self, name: str) -> str:
         """``name`` if an adapter of that name can be served; :class:`ApiError` 404 naming what exists otherwise."""
@@ -250,6 +259,7 @@ class Ingress:
 
     async def _sse(self, stream, first: dict, rid: str, gen: protocol.Generation, chat: bool):
         event, sent_role = first, False
+        calls = CallStream(_names(gen)) if gen.tool_choice == "auto" else None
         # with include_usage, OpenAI's chunks carry "usage": null until the last one, which holds the counts
         usage_field = {"usage": None} if gen.include_usage else {}
         try:
@@ -257,12 +267,19 @@ class Ingress:
                 if event["error"]:
                     yield protocol.sse(ApiError(500, event["error"], code="generation_failed").body())
                     break
-                if event["text"] or not sent_role:
-                    chunk = protocol.chunk(rid, gen.model, chat, event["text"], None, first=not sent_role)
+                text, found, finish = event["text"], [], event["finish_reason"]
+                if calls is not None:
+                    text = calls.feed(text)
+                    if finish:
+                        rest, found = calls.finish()
+                        text, found = text + rest, found if gen.parallel_tool_calls else found[:1]
+                if text or found or not sent_role:
+                    chunk = protocol.chunk(rid, gen.model, chat, text, None, not sent_role, found)
                     yield protocol.sse(chunk | usage_field)
                     sent_role = True
-                if event["finish_reason"]:
-                    chunk = protocol.chunk(rid, gen.model, chat, None if chat else "", event["finish_reason"])
+                if finish:
+                    finish = "tool_calls" if found else finish
+                    chunk = protocol.chunk(rid, gen.model, chat, None if chat else "", finish)
                     yield protocol.sse(chunk | usage_field)
                     if gen.include_usage:
                         use = protocol.usage(event["prompt_tokens"], event["completion_tokens"])

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylora.data.formats import RowError, parse_tool_calls, parse_tools
+
 ROLES = ("system", "user", "assistant", "tool")  # and "developer", read as system
 MAX_STOP = 4
 MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 before it is read
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+# Fields OpenAI's clients echo back in an assistant message taken from a response; accepted when empty.
+ECHOED = {"refusal", "audio", "function_call", "annotations"}
 
 
 class ApiError(Exception):
@@ -40,13 +46,14 @@ class Generation:
 
     Attributes:
         model: the base model's or an adapter's name.
-        messages: the conversation (chat), or None.
+        messages: the conversation (chat), or None; assistant messages may carry ``tool_calls``
+            (``[{"type": "function", "function": {"name": str, "arguments": dict}}]``).
         prompt: the prompt text (completions), or None.
         max_tokens: requested answer length, or None for the server's default.
     """
 
     model: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -55,6 +62,9 @@ class Generation:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -62,11 +72,11 @@ class Generation:
 _DEFAULT_ONLY = {
     "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+    "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
 }  # fmt: skip
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _DEFAULT_ONLY.keys() - {"echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS |= _DEFAULT_ONLY.keys() - {"echo", "best_of", "suffix"}
 COMPLETION_FIELDS = _COMMON | {"prompt"} | {"n", "logprobs", "logit_bias", "echo", "best_of", "suffix"}
 COMPLETION_FIELDS |= {"frequency_penalty", "presence_penalty"}
 
@@ -100,7 +110,39 @@ def parse_chat(body: dict) -> Generation:
     gen = _common(body, messages=[_message(m, i) for i, m in enumerate(messages)])
     if body.get("max_completion_tokens") is not None:
         gen.max_tokens = _int(body, "max_completion_tokens", 1)
+    gen.tools, gen.tool_choice = _tools(body)
+    if body.get("parallel_tool_calls") is not None:
+        gen.parallel_tool_calls = _required(body, "parallel_tool_calls", bool)
     return gen
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, str]:
+    """``(tools, tool_choice)``: the function schemas the prompt shows, and ``auto`` (the model may call one) or
+    ``none`` (its answer is text). ``required`` and a named function need constrained decoding: refused."""
+    raw = body.get("tools")
+    if raw is not None and not (isinstance(raw, list) and all(isinstance(t, dict) and t.get("type") == "function"
+                                                               for t in raw)):  # fmt: skip
+        raise ApiError(400, "'tools' must be a list of {'type': 'function', 'function': {name, description, "
+                       "parameters}}", "tools", "invalid_type")  # fmt: skip
+    try:
+        tools = parse_tools(raw)
+    except RowError as e:
+        raise ApiError(400, str(e), "tools") from None
+    for k, tool in enumerate(tools or []):
+        if not TOOL_NAME.fullmatch(tool["function"]["name"]):
+            raise ApiError(400, f"tools[{k}].function.name must be 1-64 letters, digits, '_' or '-', got "
+                           f"{tool['function']['name']!r}", f"tools[{k}].function.name", "invalid_value")  # fmt: skip
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, "auto" if tools else "none"
+    if choice not in ("auto", "none"):
+        raise ApiError(
+            400, f"tool_choice={choice!r} is not supported: this server cannot force a call (that needs constrained "
+            "decoding); use 'auto' (the model decides) or 'none'", "tool_choice", "unsupported_value",
+        )  # fmt: skip
+    if choice == "auto" and not tools:
+        raise ApiError(400, "tool_choice 'auto' needs 'tools'", "tool_choice", "invalid_value")
+    return tools, choice
 
 
 def parse_completion(body: dict) -> Generation:
@@ -154,24 +196,35 @@ def _common(body: dict, **kind: Any) -> Generation:
     return gen
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         raise ApiError(400, f"{param} must be an object with 'role' and 'content'", param)
-    unknown = set(m) - {"role", "content", "name", "tool_call_id"}
+    echoed = {k for k in ECHOED & m.keys() if not m[k]}
+    unknown = set(m) - {"role", "content", "name", "tool_call_id", "tool_calls"} - echoed
     if unknown:
         raise ApiError(400, f"{param} has unrecognized fields: {sorted(unknown)}", param, "unrecognized_argument")
     role = "system" if m.get("role") == "developer" else m.get("role")  # OpenAI's newer name for system
     if role not in ROLES:
         raise ApiError(400, f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{param}.role")
+    calls = m.get("tool_calls") or None
+    if calls is not None and role != "assistant":
+        raise ApiError(400, f"{param}: only assistant messages carry tool_calls", f"{param}.tool_calls")
     content = m.get("content")
+    if content is None and calls is not None:
+        content = ""
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ApiError(400, f"{param}.content parts must be {{'type': 'text', 'text': str}}", f"{param}.content")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"{param}.content must be a string or a list of text parts", f"{param}.content")
-    return {"role": role, "content": content}
+    if calls is None:
+        return {"role": role, "content": content}
+    try:
+        return {"role": role, "content": content, "tool_calls": parse_tool_calls(calls, f"{param}.tool_calls")}
+    except RowError as e:
+        raise ApiError(400, str(e), f"{param}.tool_calls") from None
 
 
 def _required(body: dict, key: str, kind: type) -> Any:
@@ -210,18 +263,28 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
-def response(rid: str, model: str, chat: bool, text: str, finish: str, use: dict) -> dict:
-    """A whole (non-streaming) chat.completion or text_completion object."""
+def response(
+    rid: str, model: str, chat: bool, text: str | None, finish: str, use: dict, calls: list[dict] | None = None
+) -> dict:
+    """A whole (non-streaming) chat.completion or text_completion object; ``calls``: the answer's tool calls
+    (:func:`raylora.serve.tools.split_calls`), with ``text`` the content before them or None."""
     choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    message = {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
+    choice |= {"message": message} if chat else {"text": text}
     kind = "chat.completion" if chat else "text_completion"
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
 
 
-def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict:
-    """One streamed chunk; a chat stream's first chunk also carries the assistant role."""
+def chunk(
+    rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False,
+    calls: list[dict] | None = None,
+) -> dict:  # fmt: skip
+    """One streamed chunk; a chat stream's first chunk also carries the assistant role, and ``calls`` become
+    ``tool_calls`` deltas, each whole, with its ``index``."""
     if chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+        if calls:
+            delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(calls)]
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}

@@ -9,6 +9,7 @@ is decided on the engine thread, from what the LRU holds and what requests use a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ import torch
 from ray import serve
 
 from raylora.config import JobConfig, from_dict
+from raylora.data.formats import Conversation
 from raylora.ops.lora import stack_adapters
 from raylora.registry import AdapterError
 from raylora.serve.adapters import fetch_registered, local_adapter
@@ -170,13 +172,14 @@ class LLMServer:
             # peft keeps a deleted last adapter as the active one, and every later forward fails on it.
             self.engine.model = model.unload()
 
-    def render(self, messages: list[dict[str, str]] | None, prompt: str | None) -> list[int]:
-        """Prompt token ids: a conversation through the chat template, or a completion prompt as is."""
-        if messages is not None:
-            return self.tokenizer(
-                self.encoder.render(messages, add_generation_prompt=True), add_special_tokens=False
-            ).input_ids
-        return self.tokenizer(prompt).input_ids
+    def render(self, messages: list[dict] | None, prompt: str | None, tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids: a conversation (and the functions it may call) through the chat template, as training
+        renders it (:meth:`~raylora.data.encode.Encoder.template_view`), or a completion prompt as is."""
+        if messages is None:
+            return self.tokenizer(prompt).input_ids
+        view, _, tools = self.encoder.template_view(Conversation(messages, tools))
+        text = self.encoder.render(view, add_generation_prompt=True, tools=tools)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def check_chars(self, request: dict, field: str) -> None:
         """Refuse, before tokenising it, a prompt with more characters than the longest prompt accepted can hold.
@@ -189,8 +192,11 @@ class LLMServer:
         Raises:
             ApiError: 400 ``context_length_exceeded``.
         """
-        texts = [request["prompt"]] if request["messages"] is None else [m["content"] for m in request["messages"]]
-        chars = sum(len(text) for text in texts)
+        if request["messages"] is None:
+            chars = len(request["prompt"])
+        else:  # tool schemas and calls count as the JSON the template shows
+            extra = [m.get("tool_calls") for m in request["messages"]] + [request["tools"]]
+            chars = sum(len(m["content"]) for m in request["messages"]) + len(json.dumps(extra, ensure_ascii=False))
         longest = min(self.cfg.serve.max_prompt_tokens or self.engine.max_context, self.engine.max_context - 1)
         if chars > 4 * longest * self.token_chars:
             raise ApiError(
@@ -226,7 +232,7 @@ class LLMServer:
         """Stream :class:`Event` dicts for one request.
 
         Args:
-            request: ``messages`` or ``prompt``, ``max_tokens`` (None: serve.max_tokens), ``temperature``,
+            request: ``messages`` (and ``tools``) or ``prompt``, ``max_tokens`` (None: serve.max_tokens), ``temperature``,
                 ``top_p``, ``stop``, ``seed``, ``stream`` (False: one event, the whole answer); the adapter is
                 the multiplexed model id (empty: the base).
         A refused request (400 ``context_length_exceeded``, see :meth:`check_chars` and :meth:`budget`; an adapter
@@ -239,7 +245,7 @@ class LLMServer:
         try:
             field = "prompt" if request["messages"] is None else "messages"
             self.check_chars(request, field)
-            ids = self.render(request["messages"], request["prompt"])
+            ids = self.render(request["messages"], request["prompt"], request["tools"])
             max_tokens = self.budget(len(ids), request["max_tokens"], field)
             if adapter:
                 await self._adapter(adapter)

@@ -22,6 +22,7 @@ from ray import serve
 
 from raylora.config import from_dict
 from raylora.data.encode import Encoder, tokenizer_spec
+from raylora.data.formats import Conversation, parse_tool_calls
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 from raylora.registry import register
@@ -75,8 +76,9 @@ def client(server):
     return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def _reference(adapter_dir, messages, max_tokens: int) -> tuple[str, int]:
-    """What the plain model (+ peft adapter) generates greedily, and the prompt's token count."""
+def _reference(adapter_dir, messages, max_tokens: int, tools: list | None = None) -> tuple[str, int]:
+    """What the plain model (+ peft adapter) generates greedily, and the prompt's token count (rendered as
+    training renders a conversation with ``tools``)."""
     from peft import PeftModel
 
     tok = tiny_tokenizer()
@@ -84,7 +86,8 @@ def _reference(adapter_dir, messages, max_tokens: int) -> tuple[str, int]:
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     encoder = Encoder(tokenizer_spec(tok, "auto"), 128, "tail", False)
-    ids = tok(encoder.render(messages, add_generation_prompt=True), add_special_tokens=False).input_ids
+    view, _, tools = encoder.template_view(Conversation(messages, tools))
+    ids = tok(encoder.render(view, add_generation_prompt=True, tools=tools), add_special_tokens=False).input_ids
     out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return tok.decode(out[0, len(ids) :], skip_special_tokens=True), len(ids)
 
@@ -142,6 +145,35 @@ def test_streaming_with_the_openai_client_and_plain_http(server, client):
     )
     assert "".join(e["choices"][0]["text"] for e in events) == whole.json()["choices"][0]["text"]
     assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["object"] == "text_completion"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+
+
+def test_a_tool_loop_with_the_openai_client(server, client):
+    """Tools reach the prompt as training renders them; the assistant's call, echoed back as the client's own
+    message object, and the tool's result are read; streamed and whole answers agree."""
+    from openai.types.chat import ChatCompletionMessage
+
+    expected, prompt_tokens = _reference(server["root"] / "alpha", QUESTION, 8, [WEATHER])
+    out = client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert out.usage.prompt_tokens == prompt_tokens > _reference(None, QUESTION, 1)[1] + 50
+    assert out.choices[0].message.content == expected and out.choices[0].message.tool_calls is None
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    said = ChatCompletionMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})
+    loop = [*QUESTION, said, {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'}]
+    reference = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": parse_tool_calls([call], "call")},
+                 {"role": "tool", "content": '{"temp": 3}'}]  # fmt: skip
+    expected, prompt_tokens = _reference(server["root"] / "alpha", reference, 8, [WEATHER])
+    out = client.chat.completions.create(model="alpha", messages=loop, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert (out.choices[0].message.content, out.usage.prompt_tokens) == (expected, prompt_tokens)
+    chunks = list(client.chat.completions.create(model="alpha", messages=loop, tools=[WEATHER], max_tokens=8,
+                                                 temperature=0, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER], tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and e.value.body["code"] == "unsupported_value"
 
 
 def test_stop_strings_seed_and_sampling(server, client):

@@ -92,3 +92,61 @@ def test_response_and_chunk_shapes():
         "finish_reason": "length",
         "logprobs": None,
     }
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+
+
+def test_tools_and_a_tool_loop_conversation_parse():
+    """A tool loop as the openai client sends it: the assistant's call echoed back (with its empty refusal)
+    and the tool's result."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    gen = parse_chat({**CHAT, "tools": [WEATHER], "parallel_tool_calls": False, "messages": [
+        *CHAT["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None, "annotations": []},
+        {"role": "tool", "content": '{"temp": 3}', "tool_call_id": "call_1"},
+    ]})  # fmt: skip
+    assert gen.tools == [WEATHER] and gen.tool_choice == "auto" and not gen.parallel_tool_calls
+    assert gen.messages[1:] == [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": '{"temp": 3}'},
+    ]  # fmt: skip
+    assert parse_chat(CHAT).tool_choice == "none" and parse_chat(CHAT).tools is None
+    assert parse_chat({**CHAT, "tools": [WEATHER], "tool_choice": "none"}).tool_choice == "none"
+    assert parse_chat({**CHAT, "tools": [], "tool_choice": "none"}).tools is None
+
+
+@pytest.mark.parametrize(
+    "change, param, code",
+    [
+        ({"tools": {"name": "f"}}, "tools", "invalid_type"),
+        ({"tools": [{"name": "f"}]}, "tools", "invalid_type"),  # OpenAI's shape only, not glaive's
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", None),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "invalid_value"),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "unsupported_value"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "tool_choice", "unsupported_value"),
+        ({"tool_choice": "auto"}, "tool_choice", "invalid_value"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"name": "f"}]}]}, "messages[0].tool_calls", None),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function":
+          {"name": "f", "arguments": "{oops"}}]}]}, "messages[0].tool_calls", None),
+        ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "messages[0]", "unrecognized_argument"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", None),
+    ],
+)  # fmt: skip
+def test_bad_tools_and_tool_messages_are_named(change, param, code):
+    with pytest.raises(ApiError) as e:
+        parse_chat({**CHAT, **change})
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.message
+
+
+def test_tool_calls_in_responses_and_chunks():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    r = response("id1", "m", True, None, "tool_calls", usage(3, 1), [call])
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    delta = chunk("id1", "m", True, None, None, calls=[call, call])["choices"][0]["delta"]
+    assert delta == {"tool_calls": [{"index": 0} | call, {"index": 1} | call]}

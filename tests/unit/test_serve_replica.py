@@ -130,3 +130,19 @@ def test_a_replica_imports_neither_the_data_pipeline_nor_ray_data():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_tool_conversation_is_rendered_as_training_renders_it(replica):
+    """Served prompts with tools, calls and results are the training text plus the generation prompt."""
+    from raylora.data.formats import Conversation
+
+    server, _, _ = replica
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    call = {"type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}
+    messages = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "12:00"}]  # fmt: skip
+    trained = server.encoder.text(Conversation(messages, tools))
+    served = TOK.decode(server.render(messages, None, tools))
+    assert served == trained + "<|im_start|>assistant\n"
+    assert '"name": "get_time"' in served and "<tool_response>\n12:00\n</tool_response>" in served
+    assert TOK.decode(server.render(messages[:1], None)) == "<|im_start|>user\ntime?<|im_end|>\n<|im_start|>assistant\n"
