@@ -34,8 +34,32 @@ def ensure_ray() -> None:
         print(passed_over, file=sys.stderr)
     if address is not None:
         ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(address="local", include_dashboard=True, log_to_driver=True)
+        return
+    # Ray's state API finds "the" cluster of the host by its last `ray start` or, failing that, by the only GCS
+    # process it sees: with another Ray instance on the host, the placement-group cleaner of every Ray Train run
+    # failed with a traceback ("Found multiple active Ray instances"). The new cluster's processes take this
+    # one's environment as ray.init starts them, so it tells them where their dashboard is, for them alone: the
+    # variable wins over any address, so it must not reach a `ray job submit` this process runs later.
+    port = _dashboard_port()
+    previous = os.environ.get("RAY_API_SERVER_ADDRESS")
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    try:
+        ray.init(address="local", include_dashboard=True, dashboard_port=port, log_to_driver=True)
+    finally:
+        if previous is None:
+            del os.environ["RAY_API_SERVER_ADDRESS"]
+        else:
+            os.environ["RAY_API_SERVER_ADDRESS"] = previous
+
+
+def _dashboard_port() -> int:
+    """Ray's default dashboard port, 8265, or the next one free on 127.0.0.1, as Ray itself picks it."""
+    for port in range(8265, 8315):
+        with socket.socket() as s:
+            with contextlib.suppress(OSError):
+                s.bind(("127.0.0.1", port))
+                return port
+    raise OSError("ports 8265-8314 are all taken; stop another Ray dashboard or set RAY_ADDRESS")
 
 
 def cluster_to_join() -> tuple[str | None, str | None]:

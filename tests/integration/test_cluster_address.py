@@ -20,12 +20,24 @@ from raylora.cluster import ensure_ray
 import ray
 ensure_ray()
 print("node", ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address, flush=True)
+
+@ray.remote(num_cpus=0)
+def state_api() -> str:  # where Ray's state API, as Ray Train's placement-group cleaner calls it, goes
+    from ray.dashboard.utils import get_address_for_submission_client
+    try:
+        return get_address_for_submission_client(None)
+    except ConnectionError as e:
+        return str(e).replace(" ", "_")
+
+dashboard = "http://" + ray._private.worker.global_worker.node.address_info["webui_url"]
+print("state", ray.get(state_api.remote()), dashboard, flush=True)
 ray.shutdown()
 """
 
 
-def start_local_cluster(stale_address: str | None = None) -> tuple[str, str, str]:
-    """``(node address, GCS address, stderr)`` of the cluster ``ensure_ray`` starts in a fresh interpreter, as
+def start_local_cluster(stale_address: str | None = None) -> tuple[str, str, str, tuple[str, str]]:
+    """``(node address, GCS address, stderr, (state API address its workers use, its dashboard))`` of the cluster
+    ``ensure_ray`` starts in a fresh interpreter, as
     `raylora train` or `python jobs/train.py` does (Ray reads the setting that keeps a 127.0.0.1 node address on
     loopback when it is first imported, and this process imported it long ago); with ``stale_address``, Ray's file
     names a `ray start` at that address that is gone."""
@@ -42,19 +54,23 @@ def start_local_cluster(stale_address: str | None = None) -> tuple[str, str, str
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     node, gcs = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("node "))
-    return node, gcs, done.stderr
+    state, dashboard = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("state "))
+    return node, gcs, done.stderr, (state, dashboard)
 
 
-def test_a_local_cluster_started_by_raylora_binds_to_loopback():
-    node, gcs, _ = start_local_cluster()
+def test_a_local_cluster_started_by_raylora_binds_to_loopback_and_finds_itself_beside_another(ray_session):
+    """This test process's own Ray is the other instance: Ray's state API in the new cluster's workers (Ray Train's
+    placement-group cleaner) failed with "Found multiple active Ray instances"."""
+    node, gcs, _, (state, dashboard) = start_local_cluster()
     assert node == "127.0.0.1"
     assert gcs.startswith("127.0.0.1:")
+    assert state == dashboard and dashboard.startswith("http://127.0.0.1:")
 
 
 def test_a_ray_start_that_is_gone_gives_way_to_a_local_cluster():
     """Ray's file still names the last `ray start`, killed without `ray stop`: Ray would wait for it and fail."""
     dead = f"127.0.0.1:{free_port()}"
-    node, _, err = start_local_cluster(stale_address=dead)
+    node, _, err, _ = start_local_cluster(stale_address=dead)
     assert node == "127.0.0.1"
     assert f"the last `ray start` on this host ({dead}) does not answer" in err
 
