@@ -404,15 +404,25 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[tuple[str, st
             )
             return
         value = text
-    node = raw
+    node: Any = raw
     parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
+    for i, part in enumerate(parts):
+        slot: str | int = part
+        if isinstance(node, list):  # an entry of a list, by index: data.sources.0.path=...
+            if not (part.isdigit() and int(part) < len(node)):
+                where = ".".join(parts[:i])
+                entries = f"indexes 0-{len(node) - 1}" if node else "no entries"
+                problems.append((key, f"{where} is a list with {entries}; {part!r} is not one of them"))
+                return
+            slot = int(part)
+        if i == len(parts) - 1:
+            node[slot] = value
+            return
+        child = node[slot] if isinstance(slot, int) else node.get(slot)
+        if not isinstance(child, dict | list):
             child = {}
-            node[part] = child
+            node[slot] = child
         node = child
-    node[parts[-1]] = value
 
 
 def _build(cls: type, data: Any, path: str, problems: list[tuple[str, str]]) -> Any:

@@ -175,3 +175,22 @@ def test_a_broken_list_override_and_other_names_of_values_are_caught():
     assert "is not valid YAML" in problems["lora.target_modules"]
     assert "did you mean 'cuda'" in problems["backend.device"]
     assert "did you mean 'bf16'" in problems["backend.precision"]
+
+
+def test_overrides_index_into_lists(tmp_path):
+    """Found by use: `data.sources.0.path=...` turned the list of sources into a mapping {'0': ...}."""
+    path = write(
+        tmp_path,
+        "data:\n  sources:\n    - {path: a.json}\n    - {path: b.json, weight: 2}\n"
+        "lora: {target_modules: [q_proj, v_proj]}\n",
+    )
+    cfg = load_config(path, ["data.sources.1.path=c.jsonl", "data.sources.0.weight=3", "lora.target_modules.1=o_proj"])
+    assert [(s.path, s.weight) for s in cfg.data.sources] == [("a.json", 3), ("c.jsonl", 2)]
+    assert cfg.lora.target_modules[1] == "o_proj"
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["data.sources.2.path=x", "data.sources.first.path=y", "lora.target_modules.-1=q"])
+    assert dict(err.value.problems) == {
+        "data.sources.2.path": "data.sources is a list with indexes 0-1; '2' is not one of them",
+        "data.sources.first.path": "data.sources is a list with indexes 0-1; 'first' is not one of them",
+        "lora.target_modules.-1": "lora.target_modules is a list with indexes 0-1; '-1' is not one of them",
+    }
