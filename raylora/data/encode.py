@@ -141,6 +141,18 @@ class Encoder:
         marks = ("raylora probe description", "raylora probe value", "raylora probe result")
         return self._probe(messages, marks, [_PROBE_TOOL])
 
+    def writes_hermes_calls(self) -> bool:
+        """Whether assistant tool calls come out as ``<tool_call>\n{"name": ..., "arguments": ...}`` (the Hermes
+        fallback, or a template that writes them so itself, as Qwen2.5's does)."""
+        conversation = Conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+                                                                       "tool_calls": [_PROBE_CALL]}], [_PROBE_TOOL])  # fmt: skip
+        messages, _, tools = self.template_view(conversation)
+        try:
+            text = self.render(messages, tools=tools)
+        except Exception:  # a template may refuse the probe any way it likes
+            return False
+        return hermes_tool_call(_PROBE_CALL) in text
+
     def _reasoning_field(self) -> str | None:
         """The assistant message field the template renders reasoning from, or None."""
         for field in REASONING_FIELDS:

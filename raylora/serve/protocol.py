@@ -64,6 +64,7 @@ class Generation:
     include_usage: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "none"
+    tool_name: str | None = None
     parallel_tool_calls: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -110,15 +111,15 @@ def parse_chat(body: dict) -> Generation:
     gen = _common(body, messages=[_message(m, i) for i, m in enumerate(messages)])
     if body.get("max_completion_tokens") is not None:
         gen.max_tokens = _int(body, "max_completion_tokens", 1)
-    gen.tools, gen.tool_choice = _tools(body)
+    gen.tools, gen.tool_choice, gen.tool_name = _tools(body)
     if body.get("parallel_tool_calls") is not None:
         gen.parallel_tool_calls = _required(body, "parallel_tool_calls", bool)
     return gen
 
 
-def _tools(body: dict) -> tuple[list[dict] | None, str]:
-    """``(tools, tool_choice)``: the function schemas the prompt shows, and ``auto`` (the model may call one) or
-    ``none`` (its answer is text). ``required`` and a named function need constrained decoding: refused."""
+def _tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
+    """``(tools, tool_choice, name)``: the function schemas the prompt shows; ``auto`` (the model may call one),
+    ``none`` (its answer is text), ``required`` (it calls one) or ``function`` (it calls ``name``)."""
     raw = body.get("tools")
     if raw is not None and not (isinstance(raw, list) and all(isinstance(t, dict) and t.get("type") == "function"
                                                                for t in raw)):  # fmt: skip
@@ -134,15 +135,23 @@ def _tools(body: dict) -> tuple[list[dict] | None, str]:
                            f"{tool['function']['name']!r}", f"tools[{k}].function.name", "invalid_value")  # fmt: skip
     choice = body.get("tool_choice")
     if choice is None:
-        return tools, "auto" if tools else "none"
-    if choice not in ("auto", "none"):
+        return tools, "auto" if tools else "none", None
+    names = [tool["function"]["name"] for tool in tools or []]
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not a function of 'tools' ({names})",
+                           "tool_choice", "invalid_value")  # fmt: skip
+        return tools, "function", name
+    if choice not in ("auto", "none", "required"):
         raise ApiError(
-            400, f"tool_choice={choice!r} is not supported: this server cannot force a call (that needs constrained "
-            "decoding); use 'auto' (the model decides) or 'none'", "tool_choice", "unsupported_value",
+            400, f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': "
+            f"...}}}}, got {choice!r}", "tool_choice", "invalid_value",
         )  # fmt: skip
-    if choice == "auto" and not tools:
-        raise ApiError(400, "tool_choice 'auto' needs 'tools'", "tool_choice", "invalid_value")
-    return tools, choice
+    if choice != "none" and not tools:
+        raise ApiError(400, f"tool_choice {choice!r} needs 'tools'", "tool_choice", "invalid_value")
+    return tools, choice, None
 
 
 def parse_completion(body: dict) -> Generation:

@@ -29,6 +29,7 @@ from raylora.serve.adapters import fetch_registered, local_adapter
 from raylora.serve.compat import check_compatible
 from raylora.serve.engine import Engine, Event, GenRequest, joined
 from raylora.serve.protocol import ApiError
+from raylora.serve.tools import forced_prefix
 
 log = logging.getLogger("ray.serve")
 
@@ -80,6 +81,7 @@ class LLMServer:
         model, self.tokenizer, self.quantization = load_serving_model(cfg)
         self.base = model
         self.encoder = Encoder(tokenizer_spec(self.tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
+        self.hermes_calls = self.encoder.writes_hermes_calls()
         vocab = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         self.token_chars = max(len(token) for token in vocab if token)  # the most text one token stands for
         threads = cfg.serve.engine_threads or max(1, round(cfg.serve.cpus_per_replica))
@@ -172,14 +174,32 @@ class LLMServer:
             # peft keeps a deleted last adapter as the active one, and every later forward fails on it.
             self.engine.model = model.unload()
 
-    def render(self, messages: list[dict] | None, prompt: str | None, tools: list[dict] | None = None) -> list[int]:
+    def render(
+        self, messages: list[dict] | None, prompt: str | None, tools: list[dict] | None = None, answer_start: str = ""
+    ) -> list[int]:
         """Prompt token ids: a conversation (and the functions it may call) through the chat template, as training
-        renders it (:meth:`~raylora.data.encode.Encoder.template_view`), or a completion prompt as is."""
+        renders it (:meth:`~raylora.data.encode.Encoder.template_view`), then ``answer_start`` (the beginning of a
+        forced tool call); or a completion prompt as is."""
         if messages is None:
             return self.tokenizer(prompt).input_ids
         view, _, tools = self.encoder.template_view(Conversation(messages, tools))
-        text = self.encoder.render(view, add_generation_prompt=True, tools=tools)
+        text = self.encoder.render(view, add_generation_prompt=True, tools=tools) + answer_start
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def answer_start(self, request: dict) -> str:
+        """The start of a forced tool call (:func:`~raylora.serve.tools.forced_prefix`); ``""`` when not forced.
+
+        Raises:
+            ApiError: 400 when this model's template does not write calls in the Hermes format.
+        """
+        start = forced_prefix(request["tool_choice"], request["tool_name"])
+        if start and not self.hermes_calls:
+            raise ApiError(
+                400, f"tool_choice={request['tool_choice']!r} forces a call by writing its start, and this model's chat "
+                "template writes calls in a format other than <tool_call> JSON: use tool_choice 'auto'",
+                "tool_choice", "unsupported_value",
+            )  # fmt: skip
+        return start
 
     def check_chars(self, request: dict, field: str) -> None:
         """Refuse, before tokenising it, a prompt with more characters than the longest prompt accepted can hold.
@@ -245,7 +265,8 @@ class LLMServer:
         try:
             field = "prompt" if request["messages"] is None else "messages"
             self.check_chars(request, field)
-            ids = self.render(request["messages"], request["prompt"], request["tools"])
+            start = self.answer_start(request) if request["messages"] is not None else ""
+            ids = self.render(request["messages"], request["prompt"], request["tools"], start)
             max_tokens = self.budget(len(ids), request["max_tokens"], field)
             if adapter:
                 await self._adapter(adapter)

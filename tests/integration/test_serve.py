@@ -76,9 +76,9 @@ def client(server):
     return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def _reference(adapter_dir, messages, max_tokens: int, tools: list | None = None) -> tuple[str, int]:
+def _reference(adapter_dir, messages, max_tokens: int, tools: list | None = None, start: str = "") -> tuple[str, int]:
     """What the plain model (+ peft adapter) generates greedily, and the prompt's token count (rendered as
-    training renders a conversation with ``tools``)."""
+    training renders a conversation with ``tools``, then the answer's forced ``start``)."""
     from peft import PeftModel
 
     tok = tiny_tokenizer()
@@ -87,7 +87,8 @@ def _reference(adapter_dir, messages, max_tokens: int, tools: list | None = None
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     encoder = Encoder(tokenizer_spec(tok, "auto"), 128, "tail", False)
     view, _, tools = encoder.template_view(Conversation(messages, tools))
-    ids = tok(encoder.render(view, add_generation_prompt=True, tools=tools), add_special_tokens=False).input_ids
+    text = encoder.render(view, add_generation_prompt=True, tools=tools) + start
+    ids = tok(text, add_special_tokens=False).input_ids
     out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return tok.decode(out[0, len(ids) :], skip_special_tokens=True), len(ids)
 
@@ -171,9 +172,16 @@ def test_a_tool_loop_with_the_openai_client(server, client):
     chunks = list(client.chat.completions.create(model="alpha", messages=loop, tools=[WEATHER], max_tokens=8,
                                                  temperature=0, stream=True))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    # a forced call: the server writes its start, the model the rest (this random model breaks the JSON: text)
+    start = '<tool_call>\n{"name": "get_weather", "arguments": '
+    expected, prompt_tokens = _reference(server["root"] / "alpha", QUESTION, 8, [WEATHER], start)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER], tool_choice=named,
+                                         max_tokens=8, temperature=0)  # fmt: skip
+    assert (out.choices[0].message.content, out.usage.prompt_tokens) == (start + expected, prompt_tokens)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER], tool_choice="required")
-    assert e.value.body["param"] == "tool_choice" and e.value.body["code"] == "unsupported_value"
+        client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER], tool_choice="any")
+    assert e.value.body["param"] == "tool_choice" and e.value.body["code"] == "invalid_value"
 
 
 def test_stop_strings_seed_and_sampling(server, client):

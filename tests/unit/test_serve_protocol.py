@@ -116,6 +116,11 @@ def test_tools_and_a_tool_loop_conversation_parse():
     assert parse_chat(CHAT).tool_choice == "none" and parse_chat(CHAT).tools is None
     assert parse_chat({**CHAT, "tools": [WEATHER], "tool_choice": "none"}).tool_choice == "none"
     assert parse_chat({**CHAT, "tools": [], "tool_choice": "none"}).tools is None
+    forced = parse_chat(
+        {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    )
+    assert (forced.tool_choice, forced.tool_name) == ("function", "get_weather")
+    assert parse_chat({**CHAT, "tools": [WEATHER], "tool_choice": "required"}).tool_choice == "required"
 
 
 @pytest.mark.parametrize(
@@ -125,10 +130,12 @@ def test_tools_and_a_tool_loop_conversation_parse():
         ({"tools": [{"name": "f"}]}, "tools", "invalid_type"),  # OpenAI's shape only, not glaive's
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", None),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "invalid_value"),
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "unsupported_value"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-         "tool_choice", "unsupported_value"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+         "tool_choice", "invalid_value"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "invalid_value"),
+        ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice", "invalid_value"),
         ({"tool_choice": "auto"}, "tool_choice", "invalid_value"),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
         ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"name": "f"}]}]}, "messages[0].tool_calls", None),
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function":

@@ -146,3 +146,33 @@ def test_a_tool_conversation_is_rendered_as_training_renders_it(replica):
     assert served == trained + "<|im_start|>assistant\n"
     assert '"name": "get_time"' in served and "<tool_response>\n12:00\n</tool_response>" in served
     assert TOK.decode(server.render(messages[:1], None)) == "<|im_start|>user\ntime?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_forced_call_starts_the_answer_only_where_the_template_writes_hermes_calls(replica):
+    import dataclasses
+
+    from raylora.data.encode import Encoder, tokenizer_spec
+    from raylora.templates import CHATML
+
+    server, _, _ = replica
+    request = {"tool_choice": "function", "tool_name": "get_time"}
+    start = server.answer_start(request)
+    assert start == '<tool_call>\n{"name": "get_time", "arguments": '
+    assert TOK.decode(server.render([{"role": "user", "content": "t"}], None, None, start)).endswith(
+        "<|im_start|>assistant\n" + start
+    )
+    assert server.answer_start({"tool_choice": "auto", "tool_name": None}) == ""
+    # a template that shows tools itself and writes calls its own way (as Llama 3.1's writes bare JSON)
+    own = CHATML.replace(
+        "message['content']", "message['content'] + (message['tool_calls'] | tojson if message['tool_calls'] else '')"
+    ).replace("{% for message in messages %}", "{{ tools | tojson if tools else '' }}{% for message in messages %}")
+    encoder = Encoder(dataclasses.replace(tokenizer_spec(TOK, "auto"), template=own), 64, "tail", False)
+    assert encoder.native_tools and not encoder.writes_hermes_calls() and server.hermes_calls
+    hermes = server.hermes_calls
+    server.hermes_calls = False
+    try:
+        with pytest.raises(ApiError) as e:
+            server.answer_start(request)
+        assert (e.value.status, e.value.param, e.value.code) == (400, "tool_choice", "unsupported_value")
+    finally:
+        server.hermes_calls = hermes
