@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from raylora.config import JobConfig, to_dict
 
 LORA_SHAPE = ("rank", "alpha", "target_modules", "use_rslora", "use_dora")
+CHECKPOINT_FILES = ("meta.json", "state.pt", "history.json", "adapter/adapter_model.safetensors")
 
 
 class CheckpointError(RuntimeError):
@@ -74,6 +76,35 @@ def newest(out: Path) -> Path | None:
     kept (``out/ray/checkpoint_*``), or ``None``."""
     found = [(checkpoint_step(f), f.name, f) for f in (out / "ray").glob("checkpoint_*") if (f / "meta.json").is_file()]
     return max(found)[2] if found else None
+
+
+def resume_point(handed: Path | None, out: Path) -> Path | None:
+    """The checkpoint a worker resumes from: the one Ray Train hands it, or a newer complete one in ``out/ray``.
+
+    Ray Train registers a checkpoint when its controller takes the report, up to a poll interval after the workers
+    wrote it; a run stopped (Ctrl-C, SIGTERM, a killed worker) in between left that checkpoint on disk, unregistered,
+    and Ray handed the one before, so finished steps were trained again.
+    """
+    found = newest(out)
+    if found is None or not all((found / name).is_file() for name in CHECKPOINT_FILES):
+        return handed
+    if handed is not None and checkpoint_step(handed) >= checkpoint_step(found):
+        return handed
+    return found
+
+
+def drop_unregistered(out: Path) -> list[str]:
+    """Delete the checkpoints in ``out/ray`` that Ray Train never registered (see :func:`resume_point`), once a run
+    has finished: Ray keeps ``train.keep_checkpoints`` of those it registered and never sees these. Returns their
+    names."""
+    snapshot = out / "ray" / "checkpoint_manager_snapshot.json"
+    if not snapshot.is_file():
+        return []
+    kept = {r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text()).get("checkpoint_results", [])}
+    dropped = sorted(f.name for f in (out / "ray").glob("checkpoint_*") if f.is_dir() and f.name not in kept)
+    for name in dropped:
+        shutil.rmtree(out / "ray" / name, ignore_errors=True)
+    return dropped
 
 
 def checkpoint_step(folder: Path) -> int:

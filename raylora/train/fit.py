@@ -25,7 +25,7 @@ from raylora.data.pipeline import DataError, TrainingData, training_data
 from raylora.data.sources import plan_sources
 from raylora.models import model_skeleton, target_modules
 from raylora.tracking import check_reachable, finish_run, reopen_run, start_run, tracking_uri
-from raylora.train.checkpoint import check_compatible, checkpoint_step
+from raylora.train.checkpoint import check_compatible, checkpoint_step, drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
 from raylora.train.plot import plot_history
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
@@ -75,6 +75,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
         raise
     with result.checkpoint.as_directory() as folder:
         history = save_outputs(Path(folder), cfg, out)
+    drop_unregistered(out)
     finish_run(
         cfg.tracking,
         run_id,
@@ -106,7 +107,8 @@ def _finished(cfg: JobConfig, out: Path, log) -> dict[str, Any] | None:
     if step < cfg.train.max_steps:
         return None
     check_compatible(latest, cfg)
-    history = save_outputs(latest, cfg, out)
+    # the adapter's own settings stay: this command's may differ (another lr) though there is nothing to train
+    history = save_outputs(latest, cfg, out, config=not (out / "config.yaml").is_file())
     log(f"nothing to train: {out} already holds step {step} of train.max_steps={cfg.train.max_steps} (raise "
         f"train.max_steps to train on); adapter {out / 'adapter'}")  # fmt: skip
     last = history[-1] if history else {}
@@ -199,8 +201,9 @@ def datasets(data: TrainingData) -> dict[str, Any]:
     return {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
 
 
-def save_outputs(checkpoint: Path, cfg: JobConfig, out: Path) -> list[dict[str, float]]:
-    """Copy a checkpoint folder's adapter to ``out/adapter``; write ``config.yaml``, ``history.json``, ``loss.png``.
+def save_outputs(checkpoint: Path, cfg: JobConfig, out: Path, config: bool = True) -> list[dict[str, float]]:
+    """Copy a checkpoint folder's adapter to ``out/adapter``; write ``history.json``, ``loss.png`` and (``config``)
+    ``config.yaml``.
 
     Returns:
         The metric history, one dict per logged step.
@@ -208,7 +211,8 @@ def save_outputs(checkpoint: Path, cfg: JobConfig, out: Path) -> list[dict[str, 
     shutil.rmtree(out / "adapter", ignore_errors=True)
     shutil.copytree(checkpoint / "adapter", out / "adapter")
     history = json.loads((checkpoint / "history.json").read_text())
-    (out / "config.yaml").write_text(yaml.safe_dump(to_record(cfg), sort_keys=False, allow_unicode=True))
+    if config:
+        (out / "config.yaml").write_text(yaml.safe_dump(to_record(cfg), sort_keys=False, allow_unicode=True))
     (out / "history.json").write_text(json.dumps(history, indent=1))
     plot_history(history, out / "loss.png")
     return history

@@ -73,10 +73,19 @@ def train_worker(config: dict) -> dict:
     state = TrainState()
     train = cfg.train
     restored = ray.train.get_checkpoint()
-    if restored:
-        with restored.as_directory() as folder:
-            ckpt.check_compatible(Path(folder), cfg)
-            state = ckpt.load(Path(folder), model, optimizer, scheduler, scaler)
+    stack = contextlib.ExitStack()  # the handed checkpoint's folder, until the hook state is read from it too
+    handed = Path(stack.enter_context(restored.as_directory())) if restored else None
+    folder = ckpt.resume_point(handed, Path(train.output_dir))
+    if folder is not None:
+        ckpt.check_compatible(folder, cfg)
+        try:
+            state = ckpt.load(folder, model, optimizer, scheduler, scaler)
+        except Exception as e:  # a checkpoint cut short as its worker was killed while writing it
+            if folder == handed:
+                raise
+            say(f"rank {rank}: the unregistered checkpoint {folder} does not load ({e}); resuming from {handed}")
+            folder = handed
+            state = ckpt.load(folder, model, optimizer, scheduler, scaler) if folder else TrainState()
         lr_scale[0] = state.lr_scale
     resumed_from = state.step
     ddp, hook = loss_model, None
@@ -86,11 +95,11 @@ def train_worker(config: dict) -> dict:
         )
         hook = CommHook(train)
         hook.register(ddp)
-        if restored:
-            with restored.as_directory() as folder:
-                note = ckpt.load_comm(Path(folder), hook, rank, world)
+        if folder is not None:
+            note = ckpt.load_comm(folder, hook, rank, world)
             if note and rank == 0:
                 say(note)
+    stack.close()
     last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
     log_metrics = metric_logger(config["tracking_uri"], config["run_id"], rank)
     eval_shard = data_shard(config, "eval", 0, 1) if "eval" in config["datasets"] else None

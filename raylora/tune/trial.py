@@ -14,6 +14,7 @@ from typing import Any
 
 from raylora.config import JobConfig, from_dict, to_record
 from raylora.tracking import finish_run, start_run
+from raylora.train.checkpoint import drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
 from raylora.tune import space
@@ -46,6 +47,7 @@ def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | N
         check_outcome(build_trainer(cfg, out, datasets, run_id, settings, every).fit(), cfg)
     except Exception as e:
         raise TrainingError(f"trial {trial_id} ({values}): {e}") from None
+    drop_unregistered(out)
 
 
 def trial_config(job: dict, values: dict[str, Any], out: Path) -> JobConfig:

@@ -73,3 +73,44 @@ def test_a_resumed_job_continues_its_mlflow_run_or_links_a_new_one(tmp_path):
     client.delete_run(second)  # deleted in the MLflow UI: a new run, not a failed reopen
     third = fit_module.job_run(more, out)
     assert third not in (first, second) and client.get_run(third).info.status == "RUNNING"
+
+
+def _complete(out, name: str, step: int, cfg) -> None:
+    _checkpoint(out, name, step, cfg, cfg.lora.rank)
+    (out / "ray" / name / "state.pt").write_bytes(b"")
+
+
+def test_a_checkpoint_ray_had_not_registered_is_resumed_from_and_dropped_after_the_run(tmp_path):
+    """Found by use: a run stopped (Ctrl-C, SIGTERM, a killed worker) within Ray's poll of a checkpoint resumed from
+    the one before, training its steps again, and the unregistered folder stayed past train.keep_checkpoints."""
+    from raylora.train.checkpoint import drop_unregistered, resume_point
+
+    cfg = _config(tmp_path)
+    out = tmp_path / "run"
+    _complete(out, "checkpoint_a", 15, cfg)
+    handed = out / "ray" / "checkpoint_a"
+    assert resume_point(handed, out) == handed and resume_point(None, out) == handed
+    _checkpoint(out, "checkpoint_b", 20, cfg, cfg.lora.rank)  # no state.pt yet: being written, not complete
+    assert resume_point(handed, out) == handed
+    _complete(out, "checkpoint_b", 20, cfg)
+    assert resume_point(handed, out) == out / "ray" / "checkpoint_b"
+    assert resume_point(None, out) == out / "ray" / "checkpoint_b"
+    _complete(out, "checkpoint_c", 25, cfg)
+    snapshot = {
+        "checkpoint_results": [{"checkpoint_dir_name": "checkpoint_a"}, {"checkpoint_dir_name": "checkpoint_c"}]
+    }
+    (out / "ray" / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+    assert drop_unregistered(out) == ["checkpoint_b"]
+    assert sorted(p.name for p in (out / "ray").glob("checkpoint_*") if p.is_dir()) == ["checkpoint_a", "checkpoint_c"]
+    assert drop_unregistered(tmp_path / "never-ran") == []
+
+
+def test_a_finished_job_rerun_with_other_settings_keeps_the_adapters_config(tmp_path, monkeypatch):
+    """Found by use: rerunning with train.lr=0.5 wrote lr 0.5 into config.yaml beside an adapter trained at 0.01."""
+    cfg = _config(tmp_path, "train.max_steps=6")
+    out = tmp_path / "run"
+    _checkpoint(out, "checkpoint_x", 6, cfg, cfg.lora.rank)
+    fit_module.fit(cfg, log=lambda _: None)
+    first = (out / "config.yaml").read_text()
+    fit_module.fit(_config(tmp_path, "train.max_steps=6", "train.lr=0.5"), log=lambda _: None)
+    assert (out / "config.yaml").read_text() == first and "lr: 0.5" not in first
