@@ -13,6 +13,7 @@ Layout of ``train.output_dir``::
     results.csv           one row per trial: its values, status, steps and metric
     sweep.png             the metric over lora.rank x train.lr (or the first two searched keys)
     sweep.json            the MLflow parent run id, so a resumed sweep logs to the same parent
+    sweep_config.json     the settings the sweep started with; ``--resume`` refuses others
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     state = out / "tune"
     if resume and not state.exists():
         raise ConfigError([("--resume", f"no sweep to resume in {out}; run it without --resume first")], "the sweep")
+    if resume:
+        _check_same_settings(cfg, out)
     if not resume and state.exists():
         raise ConfigError(
             [
@@ -86,6 +89,8 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     data = training_data(cfg, log)
     _check_data(cfg, data)
     out.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (out / "sweep_config.json").write_text(json.dumps(flatten(to_record(cfg)), indent=1, default=str))
     parent = _parent_run(cfg, out, resume)
     callbacks = [_release_stopped_callback(out)]
     group_broker = None
@@ -284,6 +289,30 @@ def _release_stopped_callback(out: Path):
             self.on_trial_complete(iteration, trials, trial)
 
     return ReleaseStopped()
+
+
+def _check_same_settings(cfg: JobConfig, out: Path) -> None:
+    """A resumed sweep runs with the settings it started with: Tune restores its trials as they were, so other
+    settings (a forgotten override) would train some trials for one budget and some for another, and pick a best
+    across them.
+
+    Raises:
+        ConfigError: one problem per setting that differs from ``sweep_config.json``.
+    """
+    saved = out / "sweep_config.json"
+    if not saved.is_file():  # a sweep started by an earlier raylora
+        return
+    started = json.loads(saved.read_text())
+    now = json.loads(json.dumps(flatten(to_record(cfg)), default=str))
+    problems = [
+        (key, f"the sweep started with {started.get(key)!r}, this command gives {now.get(key)!r}")
+        for key in sorted(started.keys() | now.keys())
+        if started.get(key) != now.get(key)
+    ]
+    if problems:
+        problems.append(("--resume", f"continues the sweep with the settings it started with (in {saved}): give the "
+                                     "same config and overrides, or start a new sweep in another train.output_dir"))  # fmt: skip
+        raise ConfigError(problems, "the resumed sweep")
 
 
 def _check_parent(cfg: JobConfig, out: Path) -> None:

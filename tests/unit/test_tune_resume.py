@@ -48,3 +48,33 @@ def test_a_trial_restarting_from_step_0_gets_a_new_child_run(tmp_path, root, mon
     assert second != first and client.get_run(first).info.status == "KILLED"
     assert client.get_run(second).data.tags["raylora.replaces_run"] == first
     assert child_run(cfg, out, parent, "t0", {"train.lr": 0.01}, resumes=True) == second  # from its checkpoint
+
+
+def test_resume_with_other_settings_is_refused_before_ray(tmp_path, root, monkeypatch):
+    """Found by use: --resume without the sweep's overrides trained new trials for another budget, called the
+    interrupted ones completed, and picked a best across them."""
+    from raylora.config import to_record
+    from raylora.train.fit import flatten
+
+    monkeypatch.chdir(root)
+
+    class Touched(Exception):
+        pass
+
+    def touched():
+        raise Touched
+
+    monkeypatch.setattr(sweep_module, "ensure_ray", touched)
+    out = tmp_path / "sweep"
+    (out / "tune").mkdir(parents=True)
+    started = [f"train.output_dir={out}", "tracking.enabled=false", "tune.scheduler=none", "train.max_steps=16"]
+    first = load_config(root / "configs/tiny_sweep_cpu.yaml", started)
+    (out / "sweep_config.json").write_text(json.dumps(flatten(to_record(first)), default=str))
+    forgot = load_config(root / "configs/tiny_sweep_cpu.yaml", [f"train.output_dir={out}", "tracking.enabled=false"])
+    with pytest.raises(ConfigError) as err:
+        sweep_module.sweep(forgot, resume=True, log=lambda _: None)
+    problems = dict(err.value.problems)
+    assert set(problems) == {"train.max_steps", "tune.scheduler", "--resume"}
+    assert problems["train.max_steps"] == f"the sweep started with 16, this command gives {forgot.train.max_steps}"
+    with pytest.raises(Touched):  # the same settings pass on to the cluster
+        sweep_module.sweep(load_config(root / "configs/tiny_sweep_cpu.yaml", started), resume=True, log=lambda _: None)
