@@ -437,7 +437,7 @@ def _build(cls: type, data: Any, path: str, problems: list[tuple[str, str]]) -> 
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            value = _coerce(data[name], hints[name], _join(path, name), problems)
+            value = coerce(data[name], hints[name], _join(path, name), problems)
             if value is not _BAD:
                 _check_rules(value, f.metadata, _join(path, name), problems)
                 kwargs[name] = value
@@ -449,7 +449,9 @@ def _build(cls: type, data: Any, path: str, problems: list[tuple[str, str]]) -> 
 _BAD = object()
 
 
-def _coerce(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> Any:
+def coerce(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> Any:
+    """``value`` as type ``tp`` by the config's rules (``1e-3`` read as a float, a list's items each); a value that
+    cannot be appends ``(path, why)`` to ``problems`` and returns ``_BAD``."""
     if tp is Any:  # checked by the section's own validation (tune.space: raylora.tune.space)
         return value
     origin = typing.get_origin(tp)
@@ -458,7 +460,7 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> 
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, path, problems)
+        return coerce(value, inner, path, problems)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path, problems)
     if origin is list:
@@ -468,13 +470,13 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> 
         if not isinstance(value, list):
             problems.append((path, f"got {_show(value)}, expected a list of {_name(item_tp)}"))
             return _BAD
-        items = [_coerce(v, item_tp, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        items = [coerce(v, item_tp, f"{path}[{i}]", problems) for i, v in enumerate(value)]
         return _BAD if any(i is _BAD for i in items) else items
     if origin is dict:
         if not isinstance(value, dict):
             problems.append((path, f"got {_show(value)}, expected a mapping of {_name(args[0])} to {_name(args[1])}"))
             return _BAD
-        return {str(k): _coerce(v, args[1], f"{path}.{k}", problems) for k, v in value.items()}
+        return {str(k): coerce(v, args[1], f"{path}.{k}", problems) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value

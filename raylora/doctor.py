@@ -9,8 +9,8 @@ import platform
 from raylora.backends import BackendError, install_rows, resolve_backend
 from raylora.cluster import last_ray_start, unanswered
 from raylora.comm.hooks import check_hook
-from raylora.config import JobConfig
-from raylora.tracking import tracking_uri
+from raylora.config import ConfigError, JobConfig
+from raylora.tracking import TrackingError, check_reachable, tracking_uri
 
 REQUIRED = {"torch": "torch==2.13.0", "ray": "ray[data,train,tune,serve,default]", "peft": "peft",
             "transformers": "transformers", "mlflow": "mlflow==3.17.2"}  # fmt: skip
@@ -18,6 +18,9 @@ REQUIRED = {"torch": "torch==2.13.0", "ray": "ray[data,train,tune,serve,default]
 
 def check(cfg: JobConfig) -> tuple[list[tuple[str, str]], list[str]]:
     """Inspect the environment for the job ``cfg``.
+
+    A sweep's config (a non-empty ``tune.space``) is checked as ``raylora tune`` checks it, and a tracking server as
+    the job reaches it; nothing starts Ray or prepares data.
 
     Returns:
         ``(rows, problems)``: table rows ``(item, finding)`` and one line per blocking problem, each naming its fix.
@@ -46,8 +49,39 @@ def check(cfg: JobConfig) -> tuple[list[tuple[str, str]], list[str]]:
     rows.append(("ray cluster", cluster))
     if problem:
         problems.append(problem)
-    rows.append(("mlflow tracking uri", tracking_uri(cfg.tracking) if cfg.tracking.enabled else "disabled"))
+    row, problem = tracking(cfg)
+    rows.append(("mlflow tracking uri", row))
+    if problem:
+        problems.append(problem)
+    if cfg.tune.space:
+        row, found = sweep(cfg)
+        rows.append(("sweep", row))
+        problems += found
     return rows, problems
+
+
+def tracking(cfg: JobConfig) -> tuple[str, str | None]:
+    """Where the job logs, and the problem when it is a tracking server that does not answer."""
+    if not cfg.tracking.enabled:
+        return "disabled", None
+    uri = tracking_uri(cfg.tracking)
+    try:
+        check_reachable(uri)  # a server URL only: a SQLite file or folder is made by the job
+    except TrackingError as e:
+        return f"{uri} UNREACHABLE", str(e)
+    return uri, None
+
+
+def sweep(cfg: JobConfig) -> tuple[str, list[str]]:
+    """What ``raylora tune`` refuses in this sweep (the checks it runs before anything starts), one line a problem."""
+    from raylora.tune.space import trial_count
+    from raylora.tune.sweep import check_sweep
+
+    try:
+        check_sweep(cfg)
+    except ConfigError as e:
+        return f"{len(e.problems)} problem(s) in the sweep's settings", [f"{key}: {msg}" for key, msg in e.problems]
+    return f"{trial_count(cfg.tune)} trial(s), {cfg.tune.search} search, scheduler {cfg.tune.scheduler}", []
 
 
 def ray_cluster() -> tuple[str, str | None]:

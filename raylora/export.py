@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from raylora.config import JobConfig, to_record
+from raylora.config import ConfigError, JobConfig, to_record
 from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
 from raylora.models import INT8_QUANTIZATION, INT8_WEIGHTS, load_model
 
@@ -56,13 +56,13 @@ def export(cfg: JobConfig, log=print) -> Path:
     """Write ``export.output_dir``; returns it.
 
     Raises:
-        FileExistsError: the output folder exists (nothing is overwritten).
+        ConfigError: ``export.output_dir`` exists (nothing is overwritten).
         ValueError: bad quantisation settings; ModelError: the base model or adapter is missing, or the base is
             already an int8 export.
     """
     out = Path(cfg.export.output_dir)
     if out.exists():
-        raise FileExistsError(f"export.output_dir={out} exists; remove it or choose another folder")
+        raise ConfigError([("export.output_dir", f"{out} exists; remove it or choose another folder")], "the export")
     if cfg.model.name_or_path not in TINY and (model_folder(cfg.model) / INT8_MANIFEST).is_file():
         raise ModelError(
             f"model.name_or_path={cfg.model.name_or_path} is already an int8 export; export from the original base "

@@ -22,7 +22,7 @@ import importlib.util
 import typing
 from typing import Any
 
-from raylora.config import ConfigError, JobConfig, LoraArgs, TrainArgs, from_dict, to_dict
+from raylora.config import ConfigError, JobConfig, LoraArgs, TrainArgs, coerce, from_dict, to_dict
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 RANGES = ("uniform", "loguniform", "randint")
@@ -42,8 +42,9 @@ def check(cfg: JobConfig) -> None:
         ConfigError: an empty or malformed space, an unknown distribution or key, low >= high, a
             non-number where one is needed, a value the key does not accept, grid search over a
             continuous distribution, ``search: optuna`` without optuna, a metric training does not
-            report for this job, ASHA without evaluations, a missing base model, target modules (the job's, or
-            a searched value) that are not Linear layers of the base model.
+            report for this job, ASHA without evaluations or with a first rung that no report reaches before the
+            last step, a missing base model, target modules (the job's, or a searched value) that are not Linear
+            layers of the base model.
     """
     problems: list[tuple[str, str]] = []
     tune = cfg.tune
@@ -99,6 +100,8 @@ def check(cfg: JobConfig) -> None:
                 ("tune.grace_steps", "is not set and train.eval_every is 0: ASHA needs the steps every trial runs "
                                      f"before it may stop one; set it (e.g. {max(1, cfg.train.max_steps // 4)})")
             )  # fmt: skip
+        elif grace and not (tune.metric.startswith("eval_") and cfg.train.eval_every == 0):
+            problems += _check_first_rung(cfg, grace)
     if tune.register_as is not None:
         from raylora.registry import AdapterError, check_name
 
@@ -116,7 +119,7 @@ def trial_values(cfg: JobConfig, key: str) -> list[Any]:
     """Every value a trial may take for ``key``: the listed values of its search entry, else the job's own."""
     spec = cfg.tune.space.get(key)
     if isinstance(spec, dict) and next(iter(spec)) in ("choice", "grid"):
-        return list(next(iter(spec.values())))
+        return as_numbers(key, list(next(iter(spec.values()))))
     section, name = key.split(".")
     return [getattr(getattr(cfg, section), name)]
 
@@ -125,9 +128,75 @@ def largest(cfg: JobConfig, key: str) -> Any:
     """The largest value a trial may take for a numeric ``key`` (a range's high end, randint's excluded)."""
     spec = cfg.tune.space.get(key)
     if isinstance(spec, dict) and next(iter(spec)) in RANGES:
-        kind, (low, high) = next(iter(spec.items()))
+        kind, values = next(iter(spec.items()))
+        low, high = as_numbers(key, values)
         return high - 1 if kind == "randint" else high
     return max(trial_values(cfg, key))
+
+
+def as_numbers(key: str, values: list[Any]) -> list[Any]:
+    """``values`` of a float ``key`` with the numbers YAML 1.1 reads as strings (``1e-4``: no dot) made floats, by the
+    rule that reads ``train.lr=1e-3`` from a config; other keys' values, and strings that are no number, stay as
+    they are."""
+    section, _, name = key.partition(".")
+    cls = SWEPT_SECTIONS.get(section)
+    hints = typing.get_type_hints(cls) if cls else {}
+    if hints.get(name) not in (float, float | None):
+        return values
+    out = []
+    for value in values:
+        refused: list[tuple[str, str]] = []
+        number = coerce(value, float, key, refused) if isinstance(value, str) else value
+        out.append(value if refused else number)
+    return out
+
+
+def _check_first_rung(cfg: JobConfig, grace: int) -> list[tuple[str, str]]:
+    """ASHA's first rung (at step ``grace``) when no report of the metric lands on or after it before the last step.
+
+    ASHA decides at a trial's first report at or past a rung; at ``max_t`` (``train.max_steps``) it only ends the
+    trial. Trials report an ``eval_*`` metric at evaluations, the loss at every logged, evaluated or checkpointed step.
+    """
+    last, metric = cfg.train.max_steps, cfg.tune.metric
+    keys = ["train.eval_every"]
+    if not metric.startswith("eval_"):
+        keys = ["train.log_every", *keys, "train.checkpoint_every"]
+    every = {}
+    for key in keys:
+        if key in cfg.tune.space and not _listed(cfg.tune.space[key]):
+            return []  # a searched range (or an entry with its own problem): the cadence is not known here
+        values = trial_values(cfg, key)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            return []  # a searched value the key refuses: its entry's problem
+        every[key] = [v for v in values if v > 0]
+    cadences = {c for values in every.values() for c in values}
+    if any(-(-grace // c) * c < last for c in cadences):  # the first multiple of c at or past grace
+        return []
+    latest = max([(last - 1) // c * c for c in cadences] + [0])
+    if latest:
+        fix = f"set tune.grace_steps={latest} or lower"
+    else:
+        fix = f"lower {keys[0]} below train.max_steps={last} (e.g. {max(1, last // 4)})"
+    reports = ", ".join(f"{k}={'/'.join(map(str, v))}" for k, v in every.items() if v)
+    rung = "" if cfg.tune.grace_steps else " (ASHA's first rung while tune.grace_steps is unset)"
+    return [
+        (
+            "tune.grace_steps" if cfg.tune.grace_steps else "train.eval_every",
+            f"is {grace}{rung}, and trials report {metric} at multiples of {reports} and at the last step ({last}), where "
+            f"ASHA only ends them: no report lands from step {grace} on before it, so ASHA could never stop a trial "
+            f"early; {fix}, or use tune.scheduler=none",
+        )
+    ]
+
+
+def _listed(spec: Any) -> bool:
+    """Whether ``spec`` is a well-formed ``choice`` or ``grid`` entry (its values listed)."""
+    return (
+        isinstance(spec, dict)
+        and len(spec) == 1
+        and next(iter(spec)) in ("choice", "grid")
+        and isinstance(next(iter(spec.values())), list)
+    )
 
 
 def problem_key(cfg: JobConfig, key: str) -> str:
@@ -185,6 +254,7 @@ def _check_entry(cfg: JobConfig, key: str, spec: Any) -> list[tuple[str, str]]:
         return [(where, f"unknown distribution {kind!r}; {hint}allowed: {', '.join(DISTRIBUTIONS)}")]
     if not isinstance(values, list) or not values:
         return [(where, f"{kind} takes a non-empty list, got {values!r}")]
+    given, values = values, as_numbers(key, values)
     if kind in RANGES:
         field_type = typing.get_type_hints(SWEPT_SECTIONS[section])[name]
         number = int if kind == "randint" else (int, float)
@@ -200,7 +270,7 @@ def _check_entry(cfg: JobConfig, key: str, spec: Any) -> list[tuple[str, str]]:
             ]
         if len(values) != 2 or not all(isinstance(v, number) and not isinstance(v, bool) for v in values):
             return [
-                (where, f"{kind} takes [low, high] ({'integers' if kind == 'randint' else 'numbers'}), got {values!r}")
+                (where, f"{kind} takes [low, high] ({'integers' if kind == 'randint' else 'numbers'}), got {given!r}")
             ]
         low, high = values
         if low >= high:
@@ -224,6 +294,7 @@ def to_tune(space: dict[str, dict[str, Any]], search: str) -> dict[str, Any]:
     domains = {}
     for key, spec in space.items():
         kind, values = next(iter(spec.items()))
+        values = as_numbers(key, values)
         if _is_grid(kind, search):
             domains[key] = tune.grid_search(values)
         elif kind == "choice":

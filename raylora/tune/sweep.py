@@ -41,6 +41,8 @@ from raylora.tune import groups, space
 from raylora.tune.trial import run_trial, trial_config
 
 STATUS_TAG = "raylora.trial_status"
+ERROR_TAG = "raylora.trial_error"  # a failed trial's reason (its last line; error.txt holds all of it)
+MAX_TAG_CHARS = 5000  # MLflow's limit on a tag's value in its SQL stores
 TRIAL_DRIVER_MEMORY = 256 * 2**20
 
 
@@ -57,7 +59,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     """
     from ray import tune
 
-    _check(cfg)
+    check_sweep(cfg)
     out = Path(cfg.train.output_dir).resolve()
     state = out / "tune"
     if resume and not state.exists():
@@ -233,7 +235,7 @@ def _check_data(cfg: JobConfig, data) -> None:
         raise DataError(f"a trial with {searched}: {e}" if searched else str(e)) from None
 
 
-def _check(cfg: JobConfig) -> None:
+def check_sweep(cfg: JobConfig) -> None:
     """The search space's and, for a grouped sweep, the groups' problems, all in one :class:`ConfigError`."""
     problems = []
     for check in [space.check] + ([groups.check] if cfg.tune.trials_per_group > 1 else []):
@@ -424,14 +426,23 @@ def _finish_trial(cfg: JobConfig, result) -> dict[str, Any]:
         save_outputs(final, trial_config(to_dict(cfg), values, out), out)
     else:
         status = "stopped early"
+    if status == "failed":  # the reason, where the sweep's message sends the user (it was in the console only)
+        reason = str(result.error) if result.error is not None else f"{cfg.tune.metric} is {metric}, not finite"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "error.txt").write_text(reason + "\n")
     saved = out / "mlflow_run.json"
     if cfg.tracking.enabled and saved.exists():
         import mlflow
 
         run_id = json.loads(saved.read_text())["run_id"]
-        mlflow.MlflowClient(tracking_uri(cfg.tracking)).set_tag(run_id, STATUS_TAG, status)
+        client = mlflow.MlflowClient(tracking_uri(cfg.tracking))
+        client.set_tag(run_id, STATUS_TAG, status)
         mlflow_status = {"completed": "FINISHED", "failed": "FAILED", "stopped early": "KILLED"}[status]
         artifacts = [out / "config.yaml", out / "loss.png", out / "history.json"] if status == "completed" else []
+        if status == "failed":
+            last = next((line for line in reversed(reason.splitlines()) if line.strip()), reason)
+            client.set_tag(run_id, ERROR_TAG, last.strip()[:MAX_TAG_CHARS])
+            artifacts.append(out / "error.txt")
         finish_run(cfg.tracking, run_id, artifacts, mlflow_status)
     steps = int(metrics.get("step", 0))
     return {"trial": trial, **values, "status": status, "steps": steps, "metric": metric, "dir": str(out)}

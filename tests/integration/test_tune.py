@@ -95,6 +95,11 @@ def test_a_trial_that_diverges_fails_and_is_never_the_best(ray_session, tmp_path
     experiment = client.get_experiment_by_name("sweeps").experiment_id
     runs = client.search_runs([experiment], "tags.raylora.trial_status = 'failed'")
     assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    # found by use: the reason was in the console only, though the sweep's message sends users to the child run
+    assert "training diverged" in runs[0].data.tags["raylora.trial_error"]
+    assert [a.path for a in client.list_artifacts(runs[0].info.run_id)] == ["error.txt"]
+    failed = next(Path(r["dir"]) for r in result["trials"] if r["status"] == "failed")
+    assert "nan_tolerance=1" in (failed / "error.txt").read_text()
 
 
 def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):

@@ -133,3 +133,35 @@ def test_serve_reports_a_missing_calibration_file_before_touching_ray(tmp_path, 
     import ray
 
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("tune.search=optuna", "tune.search: optuna is not installed; pip install optuna"),
+        ("tune.space={lora.rank: {choise: [4]}}", "tune.space.lora.rank: unknown distribution 'choise'"),
+    ],
+)
+def test_doctor_reports_what_the_sweep_checks_refuse(override, said, monkeypatch, capsys):
+    """Found by use: doctor said OK for sweeps that `raylora tune` refuses at once."""
+    from raylora.tune import space
+
+    real = space.importlib.util.find_spec
+    monkeypatch.setattr(space.importlib.util, "find_spec", lambda name: None if name == "optuna" else real(name))
+    assert main(["doctor", "configs/tiny_sweep_cpu.yaml", override]) == 1
+    assert f"PROBLEM: {said}" in capsys.readouterr().out
+
+
+def test_doctor_reports_a_tracking_server_that_does_not_answer(capsys):
+    """Found by use: doctor said OK, and the job then failed on it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    uri = f"http://127.0.0.1:{port}"
+    assert main(["doctor", "configs/tiny_sweep_cpu.yaml", f"tracking.uri={uri}"]) == 1
+    out = capsys.readouterr().out
+    assert f"{uri} UNREACHABLE" in out and f"PROBLEM: the MLflow tracking server {uri} does not answer" in out
+    assert main(["doctor", "configs/tiny_sweep_cpu.yaml", f"tracking.uri={uri}", "tracking.enabled=false"]) == 0
+    assert main(["doctor", "configs/tiny_sweep_cpu.yaml"]) == 0  # the shipped sweep, its SQLite store

@@ -3,7 +3,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from raylora.config import ModelArgs, from_dict, to_dict
+from raylora.config import ConfigError, ModelArgs, from_dict, to_dict
 from raylora.export import export, quantize
 from raylora.model_files import ModelError
 from raylora.models import load_model, model_skeleton, tiny_model
@@ -50,7 +50,7 @@ def test_int8_export_reloads_to_the_same_int8_model(tmp_path, adapter, root, mon
         torch.testing.assert_close(reloaded(IDS).logits, expected(IDS).logits, atol=1e-6, rtol=1e-6)
     assert summary["alpha"] == 0.5 and (out / "raylora_int8.safetensors").stat().st_size < 0.4 * summary["bytes_before"]
     assert any(n.endswith(".smooth") for n, _ in reloaded.named_buffers())
-    with pytest.raises(FileExistsError, match="exists"):
+    with pytest.raises(ConfigError, match="exists"):
         export(cfg, log=lambda _: None)
 
 
@@ -68,3 +68,11 @@ def test_int8_export_is_refused_by_plain_transformers_not_misread(tmp_path, adap
     (out / "raylora_int8.safetensors").rename(out / "model.safetensors")  # exported by an earlier raylora
     with torch.no_grad():
         torch.testing.assert_close(load_model(ModelArgs(name_or_path=str(out)))[0](IDS).logits, reloaded(IDS).logits)
+
+
+def test_an_existing_output_folder_is_bad_input_exit_2(tmp_path, capsys):
+    """Found by use: it exited 1, as a failed run, though nothing ran; the folder is the config's to change."""
+    from raylora.cli import main
+
+    assert main(["export", "configs/tiny_lora_cpu.yaml", f"export.output_dir={tmp_path}"]) == 2
+    assert f"export.output_dir: {tmp_path} exists; remove it or choose another folder" in capsys.readouterr().err

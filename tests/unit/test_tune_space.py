@@ -118,3 +118,33 @@ def test_what_only_the_prepared_data_tells_is_refused_before_any_trial():
     with pytest.raises(DataError, match=r"a trial with train.batch_size=32: the training data has 20 sequences"):
         _check_data(cfg, data)
     _check_data(load_config(TINY, ["tune.metric=loss"]), data)
+
+
+def test_numbers_yaml_reads_as_strings_are_numbers():
+    """Found by use: YAML 1.1 reads 1e-4 (no dot) as a string, and `{loguniform: [1e-4, 1e-2]}`, the very form the
+    error suggested, was refused; `train.lr=1e-3` was always a number."""
+    cfg = load_config(TINY, ["tune.space={train.lr: {loguniform: [1e-4, 1e-2]}, lora.dropout: {choice: [0, 1e-2]}}"])
+    space.check(cfg)
+    domains = space.to_tune(cfg.tune.space, cfg.tune.search)
+    assert (domains["train.lr"].lower, domains["train.lr"].upper) == (1e-4, 1e-2)
+    assert domains["lora.dropout"].categories == [0, 0.01] and space.trial_values(cfg, "lora.dropout") == [0, 0.01]
+    assert space.largest(cfg, "train.lr") == 1e-2
+    refused = problems("tune.space={train.lr: {loguniform: [small, 1e-2]}}")["tune.space.train.lr"]
+    assert "loguniform takes [low, high] (numbers), got ['small', '1e-2']" in refused
+
+
+def test_a_first_rung_no_report_reaches_is_refused():
+    """Found by use: tune.grace_steps=7 with evaluations every 2 of 8 steps was accepted; ASHA ends a trial at its
+    last step without a decision, so no report ever met its one rung and it could stop none early."""
+    found = problems("tune.grace_steps=7")["tune.grace_steps"]
+    assert "report eval_loss at multiples of train.eval_every=2" in found and "set tune.grace_steps=6 or lower" in found
+    assert "tune.grace_steps" in problems("tune.grace_steps=8")  # the last step itself
+    default_rung = problems("train.eval_every=8")["train.eval_every"]
+    assert "lower train.eval_every below train.max_steps=8 (e.g. 2)" in default_rung
+    loss = problems("tune.metric=loss", "tune.grace_steps=7")["tune.grace_steps"]
+    assert "train.log_every=2, train.eval_every=2" in loss
+    for fine in (["tune.grace_steps=3"], ["tune.grace_steps=6"], ["tune.grace_steps=7", "tune.scheduler=none"],
+                 ["tune.metric=loss", "tune.grace_steps=7", "train.log_every=1"],
+                 ["tune.metric=loss", "tune.grace_steps=7", "train.checkpoint_every=7"],
+                 ["tune.metric=loss", "tune.grace_steps=7", "tune.space={train.log_every: {choice: [1, 2]}}"]):  # fmt: skip
+        space.check(load_config(TINY, fine))
