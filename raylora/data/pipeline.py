@@ -216,24 +216,75 @@ def prepare(cfg: JobConfig, log=print) -> dict[str, Any]:
     Returns:
         The summary (also in ``summary.json`` and the manifest).
     Raises:
-        DataError: bad sources, or rejected rows above ``data.max_reject_fraction`` (after writing them).
+        DataError: bad sources, rejected rows above ``data.max_reject_fraction`` (after writing them), or shards
+            another running job reads that these settings would rewrite.
     """
-    from raylora.cluster import ensure_ray
-
     out = Path(cfg.data.output_dir).resolve()
     plan = plan_sources(cfg.data)
     spec = tokenizer_spec(load_tokenizer(cfg.model), cfg.data.template)
     fp = fingerprint(cfg, plan, spec)
+    out.mkdir(parents=True, exist_ok=True)
+    with _only_preparer(out, log):
+        return _prepare(cfg, out, plan, spec, fp, log)
+
+
+_READERS: dict[Path, Any] = {}  # per data folder: this process's lock as a reader of its shards, held to its exit
+
+
+@contextlib.contextmanager
+def _only_preparer(out: Path, log) -> Iterator[None]:
+    """One process at a time decides whether ``out`` is reused or written; the shards it reads are not rewritten
+    under it while it lives.
+
+    Two jobs sharing ``data.output_dir`` deleted each other's files mid-way (a FileNotFoundError traceback). Now the
+    second waits while the first prepares, then reuses the shards; one with other data settings is refused while a
+    job that reads them runs (every reader holds a shared lock until it exits).
+    """
+    import fcntl
+
+    with open(out / ".prepare.lock", "w") as mutex:
+        try:
+            fcntl.flock(mutex, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another raylora process preparing {out}")
+            fcntl.flock(mutex, fcntl.LOCK_EX)
+        readers = _READERS.setdefault(out, open(out / ".readers.lock", "w"))  # noqa: SIM115 (held to exit)
+        try:
+            yield
+        finally:
+            fcntl.flock(readers, fcntl.LOCK_SH)  # after writing, or to reuse: nobody rewrites what this process reads
+
+
+def _take_for_writing(out: Path) -> None:
+    """Inside :func:`_only_preparer`: become the only user of ``out``'s shards before deleting them.
+
+    Raises:
+        DataError: another running job reads them.
+    """
+    import fcntl
+
+    try:
+        fcntl.flock(_READERS[out], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise DataError(
+            f"{out} holds data another running raylora job reads, prepared with other data settings; give this job "
+            "its own data.output_dir, or wait for that job to end"
+        ) from None
+
+
+def _prepare(cfg: JobConfig, out: Path, plan: dict, spec: TokenizerSpec, fp: dict, log) -> dict[str, Any]:
+    from raylora.cluster import ensure_ray
+
     manifest_path = out / "manifest.json"
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("fingerprint") == fp and manifest.get("complete"):
             log(f"reusing {out}: inputs, tokenizer and settings are unchanged")
             return _check_rejects({**manifest["summary"], "reused": True}, cfg.data, out)
+    _take_for_writing(out)
     for stale in ("shards", "rejects", "counts", "rejects.jsonl", "summary.json", "manifest.json"):
         target = out / stale
         shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
     ensure_ray()
     start = time.perf_counter()
     eval_keys = _eval_keys(cfg, plan) if cfg.data.eval_count else None
