@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from raylora.backends import Backend, BackendError
 from raylora.comm import bytes as comm_bytes
@@ -48,7 +48,7 @@ HADAMARD3_LEVELS = (-2.1520, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 
 HADAMARD3_BLOCK = 128  # a power of 2 (the transform's size)
 HADAMARD3_SEED = 20240917  # the rotation's signs: the same on every rank
 
-comm_bytes.install(powerSGD_hook)
+comm_bytes.install(powerSGD_hook, default_hooks)  # PowerSGD's warm-up steps all-reduce through default_hooks
 _dist = comm_bytes.PROXY
 
 
