@@ -52,13 +52,37 @@ def quantize(model, tokenizer, cfg: JobConfig, method: str) -> dict:
     return quantize_model(model, method, calibration, cfg.serve.smoothquant_alpha)
 
 
+def _check_trained_on(cfg: JobConfig) -> None:
+    """Refuse to merge an adapter into a base other than the one peft recorded it was trained on.
+
+    Shapes alone do not tell (a base model and its instruct version have the same ones): merged, the adapter's
+    update would land on weights it never saw. The recorded base is a name, a hub id or a folder; each counts by its
+    last part, in any case, so an adapter moved to another machine (another cache path) or trained on the hub's copy
+    still matches.
+
+    Raises:
+        ModelError: the adapter names another base model.
+    """
+    config = json.loads((Path(cfg.export.adapter) / "adapter_config.json").read_text())
+    recorded = config.get("base_model_name_or_path")
+    ours = cfg.model.name_or_path
+    if not recorded or recorded == ours:
+        return
+    folder = ours if ours in TINY else model_folder(cfg.model).name
+    if Path(recorded).name.lower() not in (Path(ours).name.lower(), folder.lower()):  # HuggingFaceTB/SmolLM2-135M-...
+        raise ModelError(
+            f"export.adapter={cfg.export.adapter} was trained on {recorded}, and model.name_or_path={ours} is another "
+            f"model: export it with model.name_or_path={recorded} (or the folder of that model)"
+        )
+
+
 def export(cfg: JobConfig, log=print) -> Path:
     """Write ``export.output_dir``; returns it.
 
     Raises:
         ConfigError: ``export.output_dir`` exists (nothing is overwritten).
-        ValueError: bad quantisation settings; ModelError: the base model or adapter is missing, or the base is
-            already an int8 export.
+        ValueError: bad quantisation settings; ModelError: the base model or adapter is missing, the adapter was
+            trained on another base model, or the base is already an int8 export.
     """
     out = Path(cfg.export.output_dir)
     if out.exists():
@@ -76,6 +100,7 @@ def export(cfg: JobConfig, log=print) -> Path:
             raise ModelError(
                 f"export.adapter={cfg.export.adapter} is not a peft adapter folder (no adapter_config.json)"
             )
+        _check_trained_on(cfg)
         model = PeftModel.from_pretrained(model, cfg.export.adapter).merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))

@@ -102,6 +102,7 @@ def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False, initializer_range=0.1,
     )  # fmt: skip
     config = (LlamaConfig if kind == "llama" else Qwen2Config)(**shape)
+    config._name_or_path = f"tiny-{kind}"  # what peft records as an adapter's base model (it recorded null)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config)

@@ -76,3 +76,17 @@ def test_an_existing_output_folder_is_bad_input_exit_2(tmp_path, capsys):
 
     assert main(["export", "configs/tiny_lora_cpu.yaml", f"export.output_dir={tmp_path}"]) == 2
     assert f"export.output_dir: {tmp_path} exists; remove it or choose another folder" in capsys.readouterr().err
+
+
+def test_an_adapter_is_merged_only_into_the_base_it_was_trained_on(tmp_path, adapter):
+    """Found by use: a tiny-llama adapter merged silently into tiny-qwen2 (same shapes, another model)."""
+    cfg = _cfg(tmp_path, adapter, "none")
+    cfg.model.name_or_path = "tiny-qwen2"
+    with pytest.raises(ModelError, match="was trained on tiny-llama, and model.name_or_path=tiny-qwen2"):
+        export(cfg, log=lambda _: None)
+    assert not (tmp_path / "none").exists()
+    # a folder counts by its name: the same model in another machine's cache still matches
+    config = adapter / "adapter_config.json"
+    config.write_text(config.read_text().replace('"tiny-llama"', '"/elsewhere/.cache/Tiny-Llama"'))
+    cfg.model.name_or_path = "tiny-llama"
+    assert export(cfg, log=lambda _: None).is_dir()
