@@ -12,20 +12,22 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from raylora.backends import planned_backend, worker_plan
+from raylora.backends import BackendError, planned_backend, worker_plan
 from raylora.cluster import ensure_ray, sigterm_stops
 from raylora.comm.hooks import check_hook
-from raylora.config import JobConfig, to_record
+from raylora.config import ConfigError, JobConfig, to_record
 from raylora.data.pipeline import DataError, TrainingData, training_data
 from raylora.data.sources import plan_sources
+from raylora.model_files import ModelError
 from raylora.models import model_skeleton, target_modules
-from raylora.tracking import check_reachable, finish_run, reopen_run, start_run, tracking_uri
-from raylora.train.checkpoint import check_compatible, checkpoint_step, drop_unregistered
+from raylora.tracking import TrackingError, check_reachable, finish_run, reopen_run, start_run, tracking_uri
+from raylora.train.checkpoint import CheckpointError, check_compatible, checkpoint_step, drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
 from raylora.train.plot import plot_history
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
@@ -134,6 +136,26 @@ def job_run(cfg: JobConfig, out: Path) -> str | None:
     return run_id
 
 
+def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:
+    """Run every check; one problem raises as it is, several as one :class:`ConfigError` listing each (a job with a
+    mistyped data path, model and layer took three runs to learn of all three).
+
+    Raises:
+        BackendError, DataError, ModelError, CheckpointError, TrackingError: the one problem found.
+        ConfigError: several problems, each under the setting it concerns.
+    """
+    found: list[tuple[str, Exception]] = []
+    for key, check in checks.items():
+        try:
+            check()
+        except (BackendError, DataError, ModelError, CheckpointError, TrackingError) as e:
+            found.append((key, e))
+    if len(found) == 1:
+        raise found[0][1]
+    if found:
+        raise ConfigError([(key, str(e)) for key, e in found], "the job")
+
+
 def check_before_data(cfg: JobConfig) -> None:
     """The checks that take seconds, run before data preparation (which can take minutes) so they fail first.
 
@@ -146,16 +168,19 @@ def check_before_data(cfg: JobConfig) -> None:
         DataError: the workers would not leave the streamed pipeline a CPU (``data.streaming``).
         TrainingError: the workers ask for more CPUs or devices than the cluster has (Ray would wait forever).
         TrackingError: the MLflow tracking server does not answer.
+        ConfigError: more than one of the problems above that need no cluster, listed together.
     """
-    check_hook(cfg.train, planned_backend(cfg.backend))  # a missing device, or a hook it cannot run, fails first
-    plan_sources(cfg.data)  # a mistyped data path fails in a second, not after a cluster has started
-    target_modules(model_skeleton(cfg.model), cfg.lora.target_modules)  # so do a mistyped model or layer name
     resume = newest_checkpoint(Path(cfg.train.output_dir).resolve())
-    if resume is not None:  # a checkpoint of another model or LoRA shape: here, not in every restart of the workers
-        check_compatible(resume, cfg)
+    checks = {
+        "backend.device": lambda: check_hook(cfg.train, planned_backend(cfg.backend)),  # a missing device or hook
+        "data.sources": lambda: plan_sources(cfg.data),  # a mistyped path fails in a second, not after a cluster starts
+        "model": lambda: target_modules(model_skeleton(cfg.model), cfg.lora.target_modules),  # a model or layer name
+        # a checkpoint of another model or LoRA shape: here, not in every restart of the workers
+        "train.output_dir": lambda: resume is not None and check_compatible(resume, cfg),
+        "tracking.uri": lambda: cfg.tracking.enabled and check_reachable(tracking_uri(cfg.tracking)),
+    }
+    _all_at_once(checks)
     _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
-    if cfg.tracking.enabled:
-        check_reachable(tracking_uri(cfg.tracking))
     ensure_ray()
     import ray
 

@@ -106,6 +106,18 @@ def test_a_mistyped_model_or_layer_name_is_reported_before_touching_ray(command,
     assert not ray.is_initialized()
 
 
+def test_a_data_path_model_and_layer_all_mistyped_are_listed_together(tmp_path, capsys):
+    """Found by use: each took another run (9-18 s each) to learn of."""
+    args = ["train", "configs/tiny_lora_cpu.yaml", f"data.sources=[{{path: {tmp_path}/nope.jsonl}}]",
+            f"model.name_or_path={tmp_path}/missing", f"train.output_dir={tmp_path}/out"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the job has 2 problems:" in err and "  - data.sources: " in err and "  - model: model.name_or_path" in err
+    import ray
+
+    assert not ray.is_initialized()
+
+
 def test_overrides_may_follow_a_flag(tmp_path, capsys):
     """Found by use: `raylora tune CONFIG --resume train.output_dir=...` was refused as unrecognized arguments."""
     assert main(["tune", "configs/tiny_sweep_cpu.yaml", "--resume", f"train.output_dir={tmp_path}/sweep"]) == 2
