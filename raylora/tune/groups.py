@@ -491,7 +491,8 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, broker) ->
         resume_from = folder or resume_from
         if cfg.tune.metric in report:
             checkpoint = tune.Checkpoint.from_directory(folder) if folder else None
-            tune.report({**report, "done": done}, checkpoint=checkpoint)
+            # the metric first: Tune's table shows a trial's first four reported metrics
+            tune.report({cfg.tune.metric: report[cfg.tune.metric], **report, "done": done}, checkpoint=checkpoint)
         if done:
             return
 

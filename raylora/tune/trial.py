@@ -58,14 +58,14 @@ def _metric_reports(metric: str):
     """A Ray Train callback passing to Tune the reports that hold ``metric`` (evaluation steps).
 
     Tune refuses a result without the sweep's metric, and training reports eval loss only every
-    ``train.eval_every`` steps.
+    ``train.eval_every`` steps. The metric goes first, so Tune's progress table (a trial's first four metrics) shows it.
     """
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class MetricReports(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
-            if metric in metrics[0]:
-                super().after_report(run_context, metrics, None)
+            if metric in metrics[0]:  # first: Tune's table shows a trial's first four reported metrics
+                super().after_report(run_context, [{metric: metrics[0][metric], **metrics[0]}, *metrics[1:]], None)
 
     return MetricReports()
 

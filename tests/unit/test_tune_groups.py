@@ -205,3 +205,20 @@ def test_a_waiting_exchange_of_a_group_started_anew_meanwhile_takes_none_of_the_
 
     stale, joins = asyncio.run(scenario())
     assert stale["closed"] and stale["join"] == [] and joins == ["t0"]
+
+
+def test_the_sweeps_metric_is_reported_first_so_tunes_table_shows_it(monkeypatch):
+    """Found by use: Tune's table shows a trial's first four reported metrics (loss, lr, grad_norm, tokens_per_s),
+    never eval_loss, the metric being optimised."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from raylora.tune.trial import _metric_reports
+
+    passed = []
+    monkeypatch.setattr(TuneReportCallback, "__init__", lambda self: None)  # it needs a Tune session
+    monkeypatch.setattr(TuneReportCallback, "after_report", lambda self, ctx, metrics, ckpt: passed.append(metrics))
+    callback = _metric_reports("eval_loss")
+    callback.after_report(None, [{"loss": 1.0, "lr": 0.1, "grad_norm": 2.0, "tokens_per_s": 9.0}], None)
+    callback.after_report(None, [{"loss": 1.0, "lr": 0.1, "grad_norm": 2.0, "eval_loss": 1.5}, {"loss": 1.1}], None)
+    assert len(passed) == 1 and list(passed[0][0])[0] == "eval_loss" and passed[0][0]["loss"] == 1.0
+    assert passed[0][1] == {"loss": 1.1}
