@@ -188,7 +188,7 @@ def parse_tools(value: Any, name: str = "tools") -> list[dict[str, Any]] | None:
         if not (isinstance(schema, dict) and isinstance(schema.get("name"), str) and schema["name"]):
             raise RowError(
                 f"{name}[{k}] is not a function schema: expected {{type: function, function: {{name, description, "
-                "parameters}}}} or {name, description, parameters}"
+                "parameters}} or {name, description, parameters}"
             )
         if not isinstance(schema.get("parameters", {}), dict):
             raise RowError(f"{name}[{k}] ({schema['name']}): parameters must be an object (a JSON schema)")

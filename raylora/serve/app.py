@@ -278,7 +278,9 @@ class Ingress:
                         rest, found = calls.finish()
                         text, found = text + rest, found if gen.parallel_tool_calls else found[:1]
                 if text or found or not sent_role:
-                    chunk = protocol.chunk(rid, gen.model, chat, text, None, not sent_role, found)
+                    # beside a call, no text is null content, as OpenAI sends it (not "")
+                    content = None if found and not text else text
+                    chunk = protocol.chunk(rid, gen.model, chat, content, None, not sent_role, found)
                     yield protocol.sse(chunk | usage_field)
                     sent_role = True
                 if finish:

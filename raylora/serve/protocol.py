@@ -22,6 +22,7 @@ MAX_BODY_BYTES = 8 << 20  # a request body past this gets 413 before it is read
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 # Fields OpenAI's clients echo back in an assistant message taken from a response; accepted when empty.
 ECHOED = {"refusal", "audio", "function_call", "annotations"}
+REASONING = ("reasoning_content", "reasoning")  # an assistant turn's reasoning, as reasoning models' servers echo it
 
 
 class ApiError(Exception):
@@ -109,6 +110,7 @@ def parse_chat(body: dict) -> Generation:
     if not messages:
         raise ApiError(400, "'messages' must hold at least one message", "messages")
     gen = _common(body, messages=[_message(m, i) for i, m in enumerate(messages)])
+    _check_tool_results(gen.messages)
     if body.get("max_completion_tokens") is not None:
         gen.max_tokens = _int(body, "max_completion_tokens", 1)
     gen.tools, gen.tool_choice, gen.tool_name = _tools(body)
@@ -137,18 +139,18 @@ def _tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
     if choice is None:
         return tools, "auto" if tools else "none", None
     names = [tool["function"]["name"] for tool in tools or []]
+    shape = "'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
     if isinstance(choice, dict):
         function = choice.get("function") if choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
+        if name is None:
+            raise ApiError(400, f"tool_choice must be {shape}, got {choice!r}", "tool_choice", "invalid_value")
         if name not in names:
             raise ApiError(400, f"tool_choice names {name!r}, which is not a function of 'tools' ({names})",
                            "tool_choice", "invalid_value")  # fmt: skip
         return tools, "function", name
     if choice not in ("auto", "none", "required"):
-        raise ApiError(
-            400, f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': "
-            f"...}}}}, got {choice!r}", "tool_choice", "invalid_value",
-        )  # fmt: skip
+        raise ApiError(400, f"tool_choice must be {shape}, got {choice!r}", "tool_choice", "invalid_value")
     if choice != "none" and not tools:
         raise ApiError(400, f"tool_choice {choice!r} needs 'tools'", "tool_choice", "invalid_value")
     return tools, choice, None
@@ -196,6 +198,8 @@ def _common(body: dict, **kind: Any) -> Generation:
     if body.get("stream") is not None:
         gen.stream = _required(body, "stream", bool)
     options = body.get("stream_options")
+    if options is not None and not gen.stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options", "invalid_value")
     if options is not None:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise ApiError(400, "'stream_options' must be an object with only 'include_usage'", "stream_options")
@@ -210,7 +214,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise ApiError(400, f"{param} must be an object with 'role' and 'content'", param)
     echoed = {k for k in ECHOED & m.keys() if not m[k]}
-    unknown = set(m) - {"role", "content", "name", "tool_call_id", "tool_calls"} - echoed
+    unknown = set(m) - {"role", "content", "name", "tool_call_id", "tool_calls", *REASONING} - echoed
     if unknown:
         raise ApiError(400, f"{param} has unrecognized fields: {sorted(unknown)}", param, "unrecognized_argument")
     role = "system" if m.get("role") == "developer" else m.get("role")  # OpenAI's newer name for system
@@ -219,6 +223,12 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     calls = m.get("tool_calls") or None
     if calls is not None and role != "assistant":
         raise ApiError(400, f"{param}: only assistant messages carry tool_calls", f"{param}.tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(_function_call(c) for c in calls)):
+        raise ApiError(400, f"{param}.tool_calls must be a list of {{'type': 'function', 'function': {{'name', "
+                       "'arguments'}}}}", f"{param}.tool_calls", "invalid_type")  # fmt: skip
+    reasoning = next((m[k] for k in REASONING if m.get(k) is not None), None)  # as training reads it
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        raise ApiError(400, f"{param}: reasoning is text, on assistant messages only", param, "invalid_value")
     content = m.get("content")
     if content is None and calls is not None:
         content = ""
@@ -228,12 +238,30 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"{param}.content must be a string or a list of text parts", f"{param}.content")
+    message: dict[str, Any] = {"role": role, "content": content}
+    if reasoning is not None:
+        message["reasoning"] = reasoning
     if calls is None:
-        return {"role": role, "content": content}
+        return message
     try:
-        return {"role": role, "content": content, "tool_calls": parse_tool_calls(calls, f"{param}.tool_calls")}
+        return message | {"tool_calls": parse_tool_calls(calls, f"{param}.tool_calls")}
     except RowError as e:
-        raise ApiError(400, str(e), f"{param}.tool_calls") from None
+        raise ApiError(400, str(e), f"{param}.tool_calls", "invalid_value") from None
+
+
+def _function_call(call: Any) -> bool:
+    return (
+        isinstance(call, dict) and call.get("type", "function") == "function" and isinstance(call.get("function"), dict)
+    )
+
+
+def _check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """A ``tool`` message answers the assistant's ``tool_calls`` just before it (after other results)."""
+    for i, m in enumerate(messages):
+        before = messages[i - 1] if i else {}
+        if m["role"] == "tool" and not (before.get("role") == "tool" or before.get("tool_calls")):
+            raise ApiError(400, f"messages[{i}] is a tool result that answers no assistant tool_calls before it",
+                           f"messages[{i}]", "invalid_value")  # fmt: skip
 
 
 def _required(body: dict, key: str, kind: type) -> Any:

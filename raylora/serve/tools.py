@@ -34,26 +34,23 @@ def split_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
 
     Args:
         text: the generated answer.
-        names: the request's function names; a bare JSON answer is a call only when it names one of them,
-            so an answer that is JSON for the user (``{"name": "Ada", ...}``) stays text.
+        names: the request's function names; every call must name one of them (as OpenAI's calls do), so an
+            answer that is JSON for the user (``{"name": "Ada", ...}``) stays text.
     Returns:
-        ``(text, [])`` when the answer holds no call, or one that is not valid JSON with a name.
+        ``(text, [])`` when the answer holds no call, or one that is not valid JSON naming a function of ``names``.
     """
     start = text.find(OPEN)
     if start >= 0:
         calls = [_call(block) for block in _BLOCK.findall(text, start)]
-        if calls and all(calls):
-            return (text[:start] if text[:start].strip() else None), calls
+    else:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []
+        calls = [_call(item) for item in (value if isinstance(value, list) else [value])]
+    if not (calls and all(c and c["function"]["name"] in names for c in calls)):
         return text, []
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text, []
-    items = value if isinstance(value, list) else [value]
-    calls = [_call(item) for item in items]
-    if items and all(c and c["function"]["name"] in names for c in calls):
-        return None, calls
-    return text, []
+    return (text[:start] if start > 0 and text[:start].strip() else None), calls
 
 
 def _call(block: str | object) -> dict | None:
@@ -106,9 +103,12 @@ class CallStream:
         """``(text still to send, calls)`` once the answer is complete."""
         content, calls = split_calls(self.text, self.names)
         if not calls:
-            return self._send(len(self.text)), []
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out, []
         return (self._send(len(content)) if content else ""), calls
 
     def _send(self, end: int) -> str:
+        if not self.text[:end].strip():  # blank so far: the whole answer's content is None if a call follows
+            return ""
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out

@@ -139,7 +139,18 @@ def test_tools_and_a_tool_loop_conversation_parse():
         ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"name": "f"}]}]}, "messages[0].tool_calls", None),
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function":
-          {"name": "f", "arguments": "{oops"}}]}]}, "messages[0].tool_calls", None),
+          {"name": "f", "arguments": "{oops"}}]}]}, "messages[0].tool_calls", "invalid_value"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": {"type": "function", "function":
+          {"name": "f", "arguments": "{}"}}}]}, "messages[0].tool_calls", "invalid_type"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "code", "function":
+          {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls", "invalid_type"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]}, "messages[0]", "invalid_value"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]}, "messages[1]",
+         "invalid_value"),
+        ({"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]}, "messages[0]", "invalid_value"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice",
+         "invalid_value"),
         ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "messages[0]", "unrecognized_argument"),
         ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", None),
     ],
@@ -148,6 +159,13 @@ def test_bad_tools_and_tool_messages_are_named(change, param, code):
     with pytest.raises(ApiError) as e:
         parse_chat({**CHAT, **change})
     assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.message
+
+
+def test_reasoning_echoed_back_is_read_as_training_reads_it():
+    """Found by use: history from a reasoning model's server (reasoning_content) was refused, though training reads it."""
+    gen = parse_chat({**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "a",
+                                                               "reasoning_content": "think"}, *CHAT["messages"]]})  # fmt: skip
+    assert gen.messages[1] == {"role": "assistant", "content": "a", "reasoning": "think"}
 
 
 def test_tool_calls_in_responses_and_chunks():

@@ -29,10 +29,9 @@ def test_hermes_calls_as_the_fallback_template_teaches_them():
     assert split_calls(one, NAMES)[0] is None
     # a model stopped by its end token right after the JSON, before the closing tag
     assert _plain(split_calls('<tool_call>\n{"name": "get_time", "arguments": {}}', NAMES)[1]) == [("get_time", {})]
-    # any name in a tagged call: the client says what to do with a function it does not have
-    assert _plain(split_calls('<tool_call>{"name": "other", "arguments": "{\\"a\\": 1}"}</tool_call>', NAMES)[1]) == [
-        ("other", {"a": 1})
-    ]
+    assert _plain(
+        split_calls('<tool_call>{"name": "get_time", "arguments": "{\\"a\\": 1}"}</tool_call>', NAMES)[1]
+    ) == [("get_time", {"a": 1})]
 
 
 def test_bare_json_calls_as_llama_templates_teach_them():
@@ -53,6 +52,8 @@ def test_bare_json_calls_as_llama_templates_teach_them():
         '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
         "[]",
         "",
+        # found by use: a call of a function the request does not declare came back as a call (few-shot history)
+        '<tool_call>\n{"name": "get_forecast", "arguments": {"city": "Paris"}}\n</tool_call>',
     ],
 )
 def test_anything_else_stays_text(text):
@@ -78,6 +79,7 @@ def _stream(text: str, step: int) -> tuple[list[str], str, list[dict]]:
         '{"answer": 42}',
         "Hmm <tool_call>{broken",
         "  \n",
+        "\n\n" + hermes_tool_call(_call("get_weather", city="Paris")),  # found by use: the blank went out as content
     ],
 )
 def test_a_streamed_answer_sends_exactly_what_the_whole_answer_gives(text, step):
