@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import time
 from collections import Counter
@@ -242,13 +243,18 @@ def _only_preparer(out: Path, log) -> Iterator[None]:
     """
     import fcntl
 
+    if not os.access(out, os.W_OK):  # a folder prepared once and mounted read-only: nobody rewrites it
+        yield
+        return
     with open(out / ".prepare.lock", "w") as mutex:
         try:
             fcntl.flock(mutex, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log(f"waiting for another raylora process preparing {out}")
             fcntl.flock(mutex, fcntl.LOCK_EX)
-        readers = _READERS.setdefault(out, open(out / ".readers.lock", "w"))  # noqa: SIM115 (held to exit)
+        if out not in _READERS:
+            _READERS[out] = open(out / ".readers.lock", "w")  # noqa: SIM115 (held until this process exits)
+        readers = _READERS[out]
         try:
             yield
         finally:
@@ -263,6 +269,8 @@ def _take_for_writing(out: Path) -> None:
     """
     import fcntl
 
+    if out not in _READERS:  # a read-only folder (not locked): removing its files fails on its own
+        return
     try:
         fcntl.flock(_READERS[out], fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

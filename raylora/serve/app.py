@@ -125,7 +125,13 @@ async def _next_event(stream) -> dict:
 
 
 def _names(gen: protocol.Generation) -> set[str]:
-    return {tool["function"]["name"] for tool in gen.tools or []}
+    """The functions a call may name: the request's, or the one ``tool_choice`` names."""
+    return {gen.tool_name} if gen.tool_choice == "function" else {tool["function"]["name"] for tool in gen.tools or []}
+
+
+def _most_calls(gen: protocol.Generation) -> int | None:
+    """How many of an answer's calls are kept: one for ``parallel_tool_calls: false`` or a named function."""
+    return None if gen.parallel_tool_calls and gen.tool_choice != "function" else 1
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0})
@@ -236,7 +242,7 @@ class Ingress:
         text, calls = "".join(e["text"] for e in events), []
         if gen.tool_choice != "none":  # a forced call's start is the server's, written before the model's text
             text, calls = split_calls(forced_prefix(gen.tool_choice, gen.tool_name) + text, _names(gen))
-            calls = calls if gen.parallel_tool_calls else calls[:1]
+            calls = calls[: _most_calls(gen)]
         use = protocol.usage(last["prompt_tokens"], last["completion_tokens"])
         finish = "tool_calls" if calls else last["finish_reason"]
         return protocol.response(rid, gen.model, chat, text, finish, use, calls)
@@ -276,7 +282,7 @@ class Ingress:
                     text = calls.feed(text)
                     if finish:
                         rest, found = calls.finish()
-                        text, found = text + rest, found if gen.parallel_tool_calls else found[:1]
+                        text, found = text + rest, found[: _most_calls(gen)]
                 if text or found or not sent_role:
                     # beside a call, no text is null content, as OpenAI sends it (not "")
                     content = None if found and not text else text

@@ -179,11 +179,21 @@ class LLMServer:
     ) -> list[int]:
         """Prompt token ids: a conversation (and the functions it may call) through the chat template, as training
         renders it (:meth:`~raylora.data.encode.Encoder.template_view`), then ``answer_start`` (the beginning of a
-        forced tool call); or a completion prompt as is."""
+        forced tool call); or a completion prompt as is.
+
+        Raises:
+            ApiError: 400 when the chat template refuses the conversation (``raise_exception``).
+        """
         if messages is None:
             return self.tokenizer(prompt).input_ids
+        from jinja2 import TemplateError
+
         view, _, tools = self.encoder.template_view(Conversation(messages, tools))
-        text = self.encoder.render(view, add_generation_prompt=True, tools=tools) + answer_start
+        try:
+            text = self.encoder.render(view, add_generation_prompt=True, tools=tools) + answer_start
+        except TemplateError as e:  # templates refuse some conversations (Llama 3.1: one tool call a turn)
+            raise ApiError(400, f"this model's chat template refuses the conversation: {e}", "messages",
+                           "invalid_value") from None  # fmt: skip
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def answer_start(self, request: dict) -> str:

@@ -24,8 +24,8 @@ def forced_prefix(choice: str, name: str | None) -> str:
     so the model writes the rest. Only for templates that write calls that way (``Encoder.writes_hermes_calls``)."""
     if choice == "required":
         return OPEN + '\n{"name": "'
-    if choice == "function":
-        return OPEN + f'\n{{"name": "{name}", "arguments": '
+    if choice == "function":  # no space after the colon: training has it in the token that opens the arguments
+        return OPEN + f'\n{{"name": "{name}", "arguments":'
     return ""
 
 

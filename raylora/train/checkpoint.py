@@ -72,9 +72,16 @@ def save_state(folder: Path, optimizer, scheduler, scaler, state: TrainState, cf
 
 
 def newest(out: Path) -> Path | None:
-    """The checkpoint a rerun of the job writing to ``out`` resumes from: the highest step among those Ray Train
-    kept (``out/ray/checkpoint_*``), or ``None``."""
-    found = [(checkpoint_step(f), f.name, f) for f in (out / "ray").glob("checkpoint_*") if (f / "meta.json").is_file()]
+    """The checkpoint a rerun of the job writing to ``out`` resumes from: the highest step among the complete ones
+    in ``out/ray/checkpoint_*`` (every file there, ``meta.json`` readable: Ray copies files straight into the folder,
+    so a run killed mid-copy leaves one cut short), or ``None``."""
+    found = []
+    for folder in (out / "ray").glob("checkpoint_*"):
+        if all((folder / name).is_file() for name in CHECKPOINT_FILES):
+            try:
+                found.append((checkpoint_step(folder), folder.name, folder))
+            except (ValueError, OSError):  # meta.json cut short
+                continue
     return max(found)[2] if found else None
 
 
@@ -86,7 +93,7 @@ def resume_point(handed: Path | None, out: Path) -> Path | None:
     and Ray handed the one before, so finished steps were trained again.
     """
     found = newest(out)
-    if found is None or not all((found / name).is_file() for name in CHECKPOINT_FILES):
+    if found is None:
         return handed
     if handed is not None and checkpoint_step(handed) >= checkpoint_step(found):
         return handed
@@ -136,8 +143,8 @@ def load(folder: Path, model, optimizer, scheduler, scaler, adapter: str = "defa
     from safetensors.torch import load_file
 
     weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+    saved = torch.load(folder / "state.pt", weights_only=False)  # both read before anything changes
     set_peft_model_state_dict(model, weights, adapter_name=adapter)
-    saved = torch.load(folder / "state.pt", weights_only=False)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     scaler.load_state_dict(saved["scaler"])

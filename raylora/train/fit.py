@@ -26,7 +26,7 @@ from raylora.data.pipeline import DataError, TrainingData, training_data
 from raylora.data.sources import plan_sources
 from raylora.model_files import ModelError
 from raylora.models import model_skeleton, target_modules
-from raylora.tracking import TrackingError, check_reachable, finish_run, reopen_run, start_run, tracking_uri
+from raylora.tracking import check_reachable, finish_run, reopen_run, start_run, tracking_uri
 from raylora.train.checkpoint import CheckpointError, check_compatible, checkpoint_step, drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
 from raylora.train.plot import plot_history
@@ -141,14 +141,14 @@ def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:
     mistyped data path, model and layer took three runs to learn of all three).
 
     Raises:
-        BackendError, DataError, ModelError, CheckpointError, TrackingError: the one problem found.
+        BackendError, DataError, ModelError, CheckpointError: the one problem found.
         ConfigError: several problems, each under the setting it concerns.
     """
     found: list[tuple[str, Exception]] = []
     for key, check in checks.items():
         try:
             check()
-        except (BackendError, DataError, ModelError, CheckpointError, TrackingError) as e:
+        except (BackendError, DataError, ModelError, CheckpointError) as e:
             found.append((key, e))
     if len(found) == 1:
         raise found[0][1]
@@ -168,7 +168,7 @@ def check_before_data(cfg: JobConfig) -> None:
         DataError: the workers would not leave the streamed pipeline a CPU (``data.streaming``).
         TrainingError: the workers ask for more CPUs or devices than the cluster has (Ray would wait forever).
         TrackingError: the MLflow tracking server does not answer.
-        ConfigError: more than one of the problems above that need no cluster, listed together.
+        ConfigError: more than one of the input problems above (device, data, model, checkpoint), listed together.
     """
     resume = newest_checkpoint(Path(cfg.train.output_dir).resolve())
     checks = {
@@ -177,9 +177,10 @@ def check_before_data(cfg: JobConfig) -> None:
         "model": lambda: target_modules(model_skeleton(cfg.model), cfg.lora.target_modules),  # a model or layer name
         # a checkpoint of another model or LoRA shape: here, not in every restart of the workers
         "train.output_dir": lambda: resume is not None and check_compatible(resume, cfg),
-        "tracking.uri": lambda: cfg.tracking.enabled and check_reachable(tracking_uri(cfg.tracking)),
     }
     _all_at_once(checks)
+    if cfg.tracking.enabled:  # a server down is a failed run (exit 1), not bad input: on its own
+        check_reachable(tracking_uri(cfg.tracking))
     _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     ensure_ray()
     import ray

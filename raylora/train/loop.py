@@ -76,6 +76,8 @@ def train_worker(config: dict) -> dict:
     stack = contextlib.ExitStack()  # the handed checkpoint's folder, until the hook state is read from it too
     handed = Path(stack.enter_context(restored.as_directory())) if restored else None
     folder = ckpt.resume_point(handed, Path(train.output_dir))
+    if world > 1:
+        folder = agreed(folder, handed, device)
     if folder is not None:
         ckpt.check_compatible(folder, cfg)
         try:
@@ -242,6 +244,16 @@ def quiet_report_logs() -> None:
         from ray.train.v2._internal.execution import context
 
         context.logger.setLevel(logging.WARNING)
+
+
+def agreed(folder: Path | None, handed: Path | None, device: torch.device) -> Path | None:
+    """The checkpoint every rank resumes from: each rank's own pick (:func:`~raylora.train.checkpoint.resume_point`)
+    when they all picked the same step, else the one Ray Train handed them all (a rank whose network filesystem
+    lists a new folder late must not start at another step than the others)."""
+    step = float(ckpt.checkpoint_step(folder)) if folder is not None else -1.0
+    steps = torch.tensor([step, -step], dtype=torch.float32, device=device)  # steps are exact in float32
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    return folder if steps[0].item() == -steps[1].item() else handed
 
 
 def outcome(status: str, state: TrainState, resumed_from: int) -> dict:

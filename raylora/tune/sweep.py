@@ -92,7 +92,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     _check_data(cfg, data)
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
-        (out / "sweep_config.json").write_text(json.dumps(flatten(to_record(cfg)), indent=1, default=str))
+        (out / "sweep_config.json").write_text(json.dumps(_settings(cfg), indent=1))
     parent = _parent_run(cfg, out, resume)
     callbacks = [_release_stopped_callback(out)]
     group_broker = None
@@ -304,17 +304,32 @@ def _check_same_settings(cfg: JobConfig, out: Path) -> None:
     saved = out / "sweep_config.json"
     if not saved.is_file():  # a sweep started by an earlier raylora
         return
-    started = json.loads(saved.read_text())
-    now = json.loads(json.dumps(flatten(to_record(cfg)), default=str))
+    started, now = _trial_settings(json.loads(saved.read_text())), _trial_settings(_settings(cfg))
     problems = [
-        (key, f"the sweep started with {started.get(key)!r}, this command gives {now.get(key)!r}")
-        for key in sorted(started.keys() | now.keys())
-        if started.get(key) != now.get(key)
+        (key, f"the sweep started with {started[key]!r}, this command gives {now.get(key)!r}")
+        for key in sorted(started)  # a key a later raylora added is not in the file: not compared
+        if started[key] != now.get(key)
     ]
     if problems:
         problems.append(("--resume", f"continues the sweep with the settings it started with (in {saved}): give the "
                                      "same config and overrides, or start a new sweep in another train.output_dir"))  # fmt: skip
         raise ConfigError(problems, "the resumed sweep")
+
+
+def _settings(cfg: JobConfig) -> dict[str, Any]:
+    """The job's settings as ``sweep_config.json`` keeps them: flat, JSON values."""
+    return json.loads(json.dumps(flatten(to_record(cfg)), default=str))
+
+
+def _trial_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings that change what a trial trains: not where outputs go, how many trials run at once, retries,
+    serving, export or tracking; data files by name (a `ray job submit` resume reads them from another folder)."""
+    kept = {k: v for k, v in settings.items() if k.split(".")[0] in ("model", "lora", "train", "data", "tune", "backend")
+            and k not in ("train.output_dir", "data.output_dir", "tune.max_concurrent", "train.max_failures")}  # fmt: skip
+    if isinstance(kept.get("data.sources"), list):
+        kept["data.sources"] = [s | {"path": Path(str(s.get("path"))).name} if isinstance(s, dict) else s
+                                for s in kept["data.sources"]]  # fmt: skip
+    return kept
 
 
 def _check_parent(cfg: JobConfig, out: Path) -> None:

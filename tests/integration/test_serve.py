@@ -173,7 +173,7 @@ def test_a_tool_loop_with_the_openai_client(server, client):
                                                  temperature=0, stream=True))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     # a forced call: the server writes its start, the model the rest (this random model breaks the JSON: text)
-    start = '<tool_call>\n{"name": "get_weather", "arguments": '
+    start = '<tool_call>\n{"name": "get_weather", "arguments":'
     expected, prompt_tokens = _reference(server["root"] / "alpha", QUESTION, 8, [WEATHER], start)
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER], tool_choice=named,

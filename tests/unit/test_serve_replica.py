@@ -157,7 +157,7 @@ def test_a_forced_call_starts_the_answer_only_where_the_template_writes_hermes_c
     server, _, _ = replica
     request = {"tool_choice": "function", "tool_name": "get_time"}
     start = server.answer_start(request)
-    assert start == '<tool_call>\n{"name": "get_time", "arguments": '
+    assert start == '<tool_call>\n{"name": "get_time", "arguments":'
     assert TOK.decode(server.render([{"role": "user", "content": "t"}], None, None, start)).endswith(
         "<|im_start|>assistant\n" + start
     )
@@ -176,3 +176,19 @@ def test_a_forced_call_starts_the_answer_only_where_the_template_writes_hermes_c
         assert (e.value.status, e.value.param, e.value.code) == (400, "tool_choice", "unsupported_value")
     finally:
         server.hermes_calls = hermes
+
+
+def test_a_conversation_the_template_refuses_is_a_400_not_a_503(replica):
+    """Found in review: a template's raise_exception (Llama 3.1 takes one tool call a turn) escaped as a replica
+    error, a 503 'retry shortly' and a traceback."""
+    from raylora.templates import compile_template
+
+    server, _, _ = replica
+    template = server.encoder.template
+    server.encoder.template = compile_template("{{ raise_exception('only one tool call a turn') }}")
+    try:
+        with pytest.raises(ApiError) as e:
+            server.render([{"role": "user", "content": "x"}], None)
+        assert (e.value.status, e.value.param) == (400, "messages") and "only one tool call a turn" in e.value.message
+    finally:
+        server.encoder.template = template

@@ -19,6 +19,7 @@ def _checkpoint(out, name: str, step: int, cfg, rank: int) -> None:
     lora = {k: to_dict(cfg.lora)[k] for k in LORA_SHAPE} | {"rank": rank}
     (folder / "meta.json").write_text(json.dumps({"model": cfg.model.name_or_path, "lora": lora, "step": step}))
     (folder / "history.json").write_text(json.dumps([{"step": s, "loss": 5.0 - s / 10} for s in range(1, step + 1)]))
+    (folder / "state.pt").write_bytes(b"")
 
 
 def _config(tmp_path, *overrides):
@@ -75,11 +76,6 @@ def test_a_resumed_job_continues_its_mlflow_run_or_links_a_new_one(tmp_path):
     assert third not in (first, second) and client.get_run(third).info.status == "RUNNING"
 
 
-def _complete(out, name: str, step: int, cfg) -> None:
-    _checkpoint(out, name, step, cfg, cfg.lora.rank)
-    (out / "ray" / name / "state.pt").write_bytes(b"")
-
-
 def test_a_checkpoint_ray_had_not_registered_is_resumed_from_and_dropped_after_the_run(tmp_path):
     """Found by use: a run stopped (Ctrl-C, SIGTERM, a killed worker) within Ray's poll of a checkpoint resumed from
     the one before, training its steps again, and the unregistered folder stayed past train.keep_checkpoints."""
@@ -87,15 +83,19 @@ def test_a_checkpoint_ray_had_not_registered_is_resumed_from_and_dropped_after_t
 
     cfg = _config(tmp_path)
     out = tmp_path / "run"
-    _complete(out, "checkpoint_a", 15, cfg)
+    _checkpoint(out, "checkpoint_a", 15, cfg, cfg.lora.rank)
     handed = out / "ray" / "checkpoint_a"
     assert resume_point(handed, out) == handed and resume_point(None, out) == handed
-    _checkpoint(out, "checkpoint_b", 20, cfg, cfg.lora.rank)  # no state.pt yet: being written, not complete
+    _checkpoint(out, "checkpoint_b", 20, cfg, cfg.lora.rank)
+    (out / "ray" / "checkpoint_b" / "state.pt").unlink()  # not written yet: not complete
     assert resume_point(handed, out) == handed
-    _complete(out, "checkpoint_b", 20, cfg)
+    (out / "ray" / "checkpoint_b" / "meta.json").write_text('{"mod')  # cut short as its writer was killed
+    (out / "ray" / "checkpoint_b" / "state.pt").write_bytes(b"")
+    assert resume_point(handed, out) == handed
+    _checkpoint(out, "checkpoint_b", 20, cfg, cfg.lora.rank)
     assert resume_point(handed, out) == out / "ray" / "checkpoint_b"
     assert resume_point(None, out) == out / "ray" / "checkpoint_b"
-    _complete(out, "checkpoint_c", 25, cfg)
+    _checkpoint(out, "checkpoint_c", 25, cfg, cfg.lora.rank)
     snapshot = {
         "checkpoint_results": [{"checkpoint_dir_name": "checkpoint_a"}, {"checkpoint_dir_name": "checkpoint_c"}]
     }
@@ -114,3 +114,34 @@ def test_a_finished_job_rerun_with_other_settings_keeps_the_adapters_config(tmp_
     first = (out / "config.yaml").read_text()
     fit_module.fit(_config(tmp_path, "train.max_steps=6", "train.lr=0.5"), log=lambda _: None)
     assert (out / "config.yaml").read_text() == first and "lr: 0.5" not in first
+
+
+def _agree(rank: int, out: str) -> None:
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from raylora.train.loop import agreed
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
+    folders = Path(out) / "run" / "ray"
+    handed, newer = folders / "checkpoint_a", folders / "checkpoint_b"
+    same = agreed(newer, handed, torch.device("cpu"))
+    differ = agreed(newer if rank == 0 else handed, handed, torch.device("cpu"))  # rank 1 does not see the newer
+    (Path(out) / f"agreed{rank}.json").write_text(json.dumps([same.name, differ.name]))
+    dist.barrier()
+    os._exit(0)  # as the other gloo tests: no finalisation that could free the group on one rank first
+
+
+def test_ranks_resume_from_the_same_checkpoint_or_all_from_the_handed_one(tmp_path):
+    from ranks import run_two_ranks
+
+    cfg = _config(tmp_path)
+    out = tmp_path / "run"
+    _checkpoint(out, "checkpoint_a", 15, cfg, cfg.lora.rank)
+    _checkpoint(out, "checkpoint_b", 20, cfg, cfg.lora.rank)
+    run_two_ranks(_agree, str(tmp_path))
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"agreed{rank}.json").read_text()) == ["checkpoint_b", "checkpoint_a"]

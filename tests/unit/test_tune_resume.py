@@ -76,5 +76,12 @@ def test_resume_with_other_settings_is_refused_before_ray(tmp_path, root, monkey
     problems = dict(err.value.problems)
     assert set(problems) == {"train.max_steps", "tune.scheduler", "--resume"}
     assert problems["train.max_steps"] == f"the sweep started with 16, this command gives {forgot.train.max_steps}"
-    with pytest.raises(Touched):  # the same settings pass on to the cluster
-        sweep_module.sweep(load_config(root / "configs/tiny_sweep_cpu.yaml", started), resume=True, log=lambda _: None)
+    # the same trial settings pass on to the cluster, whatever the concurrency, retries or the data files' folder
+    same = [
+        *started,
+        "tune.max_concurrent=1",
+        "train.max_failures=3",
+        f"data.sources=[{{path: {root}/data/raylora_identity.jsonl}}]",
+    ]
+    with pytest.raises(Touched):
+        sweep_module.sweep(load_config(root / "configs/tiny_sweep_cpu.yaml", same), resume=True, log=lambda _: None)
