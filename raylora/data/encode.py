@@ -147,11 +147,7 @@ class Encoder:
         conversation = Conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
                                                                        "tool_calls": [_PROBE_CALL]}], [_PROBE_TOOL])  # fmt: skip
         messages, _, tools = self.template_view(conversation)
-        try:
-            text = self.render(messages, tools=tools)
-        except Exception:  # a template may refuse the probe any way it likes
-            return False
-        return hermes_tool_call(_PROBE_CALL) in text
+        return self._probe(messages, (hermes_tool_call(_PROBE_CALL),), tools)
 
     def _reasoning_field(self) -> str | None:
         """The assistant message field the template renders reasoning from, or None."""

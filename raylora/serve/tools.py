@@ -87,7 +87,7 @@ class CallStream:
     def feed(self, piece: str) -> str:
         """Take the next generated piece; returns the text that can be sent now (maybe empty)."""
         self.text += piece
-        if self.held or not self.text.strip():
+        if self.held or (self.sent == 0 and not self.text.strip()):  # once text went out, it is not blank
             return ""
         if self.sent == 0 and self.text.lstrip()[0] in "{[":
             self.held = True
@@ -108,7 +108,7 @@ class CallStream:
         return (self._send(len(content)) if content else ""), calls
 
     def _send(self, end: int) -> str:
-        if not self.text[:end].strip():  # blank so far: the whole answer's content is None if a call follows
+        if self.sent == 0 and not self.text[:end].strip():  # blank so far: content is None if a call follows
             return ""
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
