@@ -25,8 +25,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "import torch, ray, peft, transformers, mlflow, raylora"
 	touch $@
 
+# a fresh machine for the model too: an empty model cache, so the suite converts the default model itself
 test: install
-	$(PY) -m pytest -q tests
+	cache=$$(mktemp -d) && RAYLORA_CACHE=$$cache $(PY) -m pytest -q --durations=15 tests; \
+		status=$$?; rm -rf $$cache; exit $$status
 
 test-unit: install
 	$(PY) -m pytest -q -m "not integration and not slow and not device" tests

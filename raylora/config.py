@@ -130,7 +130,12 @@ class TrainArgs:
     max_grad_norm: float = _f(1.0, help="gradient clipping norm (0 disables)", min=0.0)
     seed: int = _f(42, help="random seed: LoRA init, dropout and each epoch's order of the packs")
     num_workers: int = _f(1, help="Ray Train workers (one per device)", min=1)
-    cpus_per_worker: float = _f(1.0, help="CPUs Ray reserves per worker", gt=0)
+    cpus_per_worker: float | None = _f(
+        None,
+        help="CPUs Ray reserves per worker, and its torch threads (unset: a training job's workers share the CPUs the "
+        "cluster has free; a sweep's trials take 1 each)",
+        gt=0,
+    )
     log_every: int = _f(1, help="steps between progress lines and MLflow metrics", min=1)
     eval_every: int = _f(0, help="steps between evaluations (0: only at the end)", min=0)
     checkpoint_every: int = _f(0, help="steps between checkpoints (0: only at the end)", min=0)
@@ -591,7 +596,7 @@ def _name(tp: Any) -> str:
 
 
 def reference_markdown() -> str:
-    """The config reference table for the README, generated from the schema."""
+    """The config reference table of docs/config.md, generated from the schema."""
     rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
 
     def walk(cls: type, prefix: str) -> None:

@@ -2,17 +2,22 @@
 
 Kept free of torch at import time, so the data pipeline's Ray workers load a tokenizer without it.
 GGUF files are dequantised by transformers once and cached as a safetensors model folder, so later
-loads are a plain ``from_pretrained``. A cache folder is published atomically and carries a manifest;
-a folder without a complete manifest is reported, never half-loaded.
+loads are a plain ``from_pretrained``. One process converts while others wait on a lock; the folder is written aside,
+renamed into place and carries a manifest; what a killed conversion left aside is removed by the next one; a folder
+without a complete manifest is reported, never half-loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -25,6 +30,9 @@ SMOLLM2 = "smollm2-135m-instruct"
 TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
 INT8_MANIFEST = "raylora_int8.json"  # marks a folder written by ``raylora export`` with int8 weights
 REGISTRY = (SMOLLM2, *TINY)
+# The Hugging Face id of each registry model: what its adapters record as their base, so that peft, vLLM or another
+# machine can find it; raylora resolves the id back to its own offline cache.
+HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 class ModelError(RuntimeError):
@@ -39,10 +47,23 @@ def load_tokenizer(args: ModelArgs) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def registry_name(name: str) -> str | None:
+    """The registry model ``name`` stands for, given as its registry name or its Hugging Face id; else ``None``."""
+    if name in REGISTRY:
+        return name
+    return next((reg for reg, hub in HUB_IDS.items() if hub.lower() == name.lower()), None)
+
+
+def base_id(args: ModelArgs) -> str:
+    """What an adapter records as its base: a registry model's Hugging Face id, else ``model.name_or_path`` as given
+    (a machine's cache folder, which names nothing elsewhere, never)."""
+    return HUB_IDS.get(registry_name(args.name_or_path) or "", args.name_or_path)
+
+
 def model_folder(args: ModelArgs) -> Path:
     """The Hugging Face folder holding the model, converting a GGUF (registry or file) into the cache once."""
     name = args.name_or_path
-    if name == SMOLLM2:
+    if registry_name(name) == SMOLLM2:
         return gguf_to_cache(_smollm2_gguf(), cache_root(args) / "models" / SMOLLM2)
     path = Path(name).expanduser()
     if not path.exists():
@@ -72,24 +93,40 @@ def gguf_to_cache(gguf: Path, folder: Path) -> Path:
     if folder.exists():
         check_cache(folder)
         return folder
-    arch = gguf_architecture(gguf)
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    _check_architecture(gguf)  # before anything is written into the cache
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(folder):
+        if not folder.exists():  # another process may have converted it while this one waited
+            _convert(gguf, folder)
+    check_cache(folder)
+    return folder
 
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
-        raise ModelError(
-            f"{gguf} is a GGUF model of architecture {arch!r}, which transformers cannot load "
-            f"(supported: {', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}). "
-            "Convert it to a Hugging Face folder with its original tooling and set model.name_or_path to that folder."
-        )
+
+@contextlib.contextmanager
+def _conversion_lock(folder: Path) -> Iterator[None]:
+    """Hold ``<folder>.lock``: one process converts, the others wait (a lock dies with its process)."""
+    with open(folder.with_name(f"{folder.name}.lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"raylora: waiting for another process converting the model into {folder}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    """Convert ``gguf`` into ``folder`` through a private folder renamed into place; the caller holds the lock."""
+    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):  # left by a conversion killed part-way
+        shutil.rmtree(stale, ignore_errors=True)
     import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
+    print(f"raylora: converting {gguf} into {folder} (once; about 20 s on 2 cores)", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     # A GGUF-loaded model is marked quantised and refuses save_pretrained: write config and weights ourselves.
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -100,12 +137,19 @@ def gguf_to_cache(gguf: Path, folder: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps({"source": str(gguf), "files": files}, indent=2))
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process published the same cache first
-        shutil.rmtree(tmp, ignore_errors=True)
-    check_cache(folder)
-    return folder
+    os.replace(tmp, folder)
+
+
+def _check_architecture(gguf: Path) -> None:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    arch = gguf_architecture(gguf)
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"{gguf} is a GGUF model of architecture {arch!r}, which transformers cannot load "
+            f"(supported: {', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}). "
+            "Convert it to a Hugging Face folder with its original tooling and set model.name_or_path to that folder."
+        )
 
 
 def check_cache(folder: Path) -> None:

@@ -13,7 +13,15 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from raylora.config import LoraArgs, ModelArgs
-from raylora.model_files import INT8_MANIFEST, TINY, ModelError, load_tokenizer, model_folder, tiny_tokenizer
+from raylora.model_files import (
+    INT8_MANIFEST,
+    TINY,
+    ModelError,
+    base_id,
+    load_tokenizer,
+    model_folder,
+    tiny_tokenizer,
+)
 
 LORA_PRESETS = {
     "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -38,12 +46,15 @@ def load_model(args: ModelArgs) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         ModelError: missing path, unsupported GGUF architecture, incomplete cache.
     """
     if args.name_or_path in TINY:
-        model = tiny_model(TINY[args.name_or_path])
+        model = tiny_model(TINY[args.name_or_path]).to(_DTYPES[args.dtype])
     elif (model_folder(args) / INT8_MANIFEST).is_file():
-        return load_int8_folder(model_folder(args), _DTYPES[args.dtype]), load_tokenizer(args)
+        model = load_int8_folder(model_folder(args), _DTYPES[args.dtype])
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_folder(args), dtype=_DTYPES[args.dtype])
-    return model.to(_DTYPES[args.dtype]).eval(), load_tokenizer(args)
+        model = AutoModelForCausalLM.from_pretrained(model_folder(args), dtype=_DTYPES[args.dtype]).to(
+            _DTYPES[args.dtype]
+        )
+    model.name_or_path = model.config._name_or_path = base_id(args)  # what peft records as an adapter's base
+    return model.eval(), load_tokenizer(args)
 
 
 def model_skeleton(args: ModelArgs) -> torch.nn.Module:
@@ -54,8 +65,10 @@ def model_skeleton(args: ModelArgs) -> torch.nn.Module:
     """
     if args.name_or_path in TINY:
         return tiny_model(TINY[args.name_or_path])
+    # resolved (on first use, converted) first: transformers refuses from_pretrained under the meta device
+    config = base_config(model_folder(args))
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(base_config(model_folder(args)))
+        return AutoModelForCausalLM.from_config(config)
 
 
 def base_config(folder: Path):

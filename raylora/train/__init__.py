@@ -1,1 +1,1 @@
-"""Training: the single-process quickstart loop now; the Ray Train worker loop and fit() build on it."""
+"""Training: the driver (fit), the Ray Train worker loop, checkpoints, the single-process quickstart."""

@@ -9,8 +9,10 @@ number of workers, and continues the job's MLflow run when the settings are the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,7 @@ from raylora.models import model_skeleton, target_modules
 from raylora.tracking import check_reachable, finish_run, reopen_run, start_run, tracking_uri
 from raylora.train.checkpoint import CheckpointError, check_compatible, checkpoint_step, drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
+from raylora.train.cpus import free_share
 from raylora.train.plot import plot_history
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
 
@@ -51,7 +54,9 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     done = _finished(cfg, out, log)
     if done is not None:
         return done
-    check_before_data(cfg)
+    unset = cfg.train.cpus_per_worker is None
+    cfg = check_before_data(cfg)
+    log(worker_cpus_line(cfg, unset))
     out.mkdir(parents=True, exist_ok=True)
     data = training_data(cfg, log)
     check_enough(cfg, data.packs)
@@ -156,10 +161,12 @@ def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:
         raise ConfigError([(key, str(e)) for key, e in found], "the job")
 
 
-def check_before_data(cfg: JobConfig) -> None:
+def check_before_data(cfg: JobConfig) -> JobConfig:
     """The checks that take seconds, run before data preparation (which can take minutes) so they fail first.
 
     Starts or joins Ray, after the checks that need no cluster.
+    Returns:
+        ``cfg``, with ``train.cpus_per_worker`` set to the workers' share of the free CPUs when it was unset.
     Raises:
         BackendError: the device asked for is missing, or its collectives cannot carry ``train.comm_hook``.
         ModelError: the base model is missing, or ``lora.target_modules`` names a layer it lacks (before Ray starts).
@@ -181,10 +188,17 @@ def check_before_data(cfg: JobConfig) -> None:
     _all_at_once(checks)
     if cfg.tracking.enabled:  # a server down is a failed run (exit 1), not bad input: on its own
         check_reachable(tracking_uri(cfg.tracking))
-    _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     ensure_ray()
     import ray
 
+    if cfg.train.cpus_per_worker is None:
+        device = planned_backend(cfg.backend).ray_resource
+        share = free_share(
+            [n["Resources"] for n in ray.nodes() if n["Alive"]], ray.available_resources().get("CPU", 0.0),
+            cfg.train.num_workers, None if device == "CPU" else device, READ_CPUS if cfg.data.streaming else 0.0,
+        )  # fmt: skip
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cpus_per_worker=float(share)))
+    _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     cluster = ray.cluster_resources()
     per_worker = scaling.get("resources_per_worker") or {"CPU": 1.0, "GPU": 1.0}  # Ray Train's default with use_gpu
     short = {
@@ -205,6 +219,17 @@ def check_before_data(cfg: JobConfig) -> None:
             "Ray Data to run the streamed pipeline, so training would wait forever. Lower train.cpus_per_worker or "
             "train.num_workers, or prepare the data first (data.streaming=false)."
         )
+    return cfg
+
+
+def worker_cpus_line(cfg: JobConfig, unset: bool) -> str:
+    """The start-up line saying what each worker got and why, given the ``cfg`` :func:`check_before_data` returned
+    (``unset``: the job left ``train.cpus_per_worker`` unset)."""
+    cpus = cfg.train.cpus_per_worker
+    why = "the cluster's free CPUs shared by the workers (train.cpus_per_worker unset)" if unset else (
+        "train.cpus_per_worker")  # fmt: skip
+    return (f"workers: {cfg.train.num_workers}, each with {cpus:g} CPUs and {max(1, math.ceil(cpus))} torch threads: "
+            f"{why}")  # fmt: skip
 
 
 def check_enough(cfg: JobConfig, packs: int | None) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -59,6 +60,8 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     """
     from ray import tune
 
+    if cfg.train.cpus_per_worker is None:  # trials run side by side: one CPU each, as before the default was unset
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cpus_per_worker=1.0))
     check_sweep(cfg)
     out = Path(cfg.train.output_dir).resolve()
     state = out / "tune"

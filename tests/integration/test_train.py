@@ -1,7 +1,10 @@
 """Ray Train with two gloo workers on a local Ray (tiny Llama, the bundled identity data)."""
 
+import asyncio
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,10 +14,15 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import ray
+import torch
 from peft import PeftModel
 
-from raylora.config import load_config
-from raylora.models import tiny_model
+from raylora.config import ModelArgs, load_config, to_dict
+from raylora.model_files import HUB_IDS, SMOLLM2, model_folder
+from raylora.models import load_model, tiny_model
+from raylora.serve.engine import GenRequest, wait_for
+from raylora.serve.replica import LLMServer
 from raylora.train.checkpoint import CheckpointError
 from raylora.train.fit import TrainingError, fit
 
@@ -281,3 +289,45 @@ def test_a_stopped_run_ends_its_mlflow_run_killed_and_says_how_to_resume(tmp_pat
     assert driver.returncode == 1 and "training was stopped; run the same command again" in said, said[-3000:]
     run_id = json.loads((tmp_path / "run" / "mlflow_run.json").read_text())["run_id"]
     assert mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).info.status == "KILLED"
+
+
+@pytest.mark.slow
+def test_a_smollm2_adapter_names_its_hub_base_and_serves_offline_after_the_cache_moved(tmp_path):
+    """``raylora train`` on the default model, its workers given the free CPUs; then the cache folder moves (another
+    machine, another user) and the adapter is served through the id it recorded."""
+    first = tmp_path / "cache-a"
+    shutil.copytree(model_folder(ModelArgs()), first / "models" / SMOLLM2)  # the suite's conversion, copied
+    cfg = load_config(
+        "configs/smollm2_lora_cpu.yaml",
+        [f"train.output_dir={tmp_path}/run", f"data.output_dir={tmp_path}/data", f"model.cache_dir={first}",
+         "train.max_steps=1", "train.batch_size=1", "data.cutoff_len=64", "data.max_samples=4",
+         "tracking.enabled=false"],
+    )  # fmt: skip
+    cpus = ray.cluster_resources()["CPU"]
+    lines = []
+    fit(cfg, log=lines.append)
+    assert f"workers: 1, each with {cpus:g} CPUs and {math.ceil(cpus)} torch threads: the cluster's free CPUs" in (
+        "\n".join(lines)
+    )
+    adapter = tmp_path / "run" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == HUB_IDS[SMOLLM2]
+
+    moved = first.rename(tmp_path / "cache-b")
+    shutil.copytree(adapter, tmp_path / "adapters" / "mine")
+    serving = load_config(
+        None,
+        [f"model.name_or_path={HUB_IDS[SMOLLM2]}", f"model.cache_dir={moved}", "serve.quantization=none",
+         f"serve.adapter_root={tmp_path}/adapters", "tracking.enabled=false", "backend.device=cpu"],
+    )  # fmt: skip
+    server = LLMServer(to_dict(serving))
+    try:
+        asyncio.run(server._load("mine"))
+        ids = server.tokenizer("Who are you?").input_ids
+        served = wait_for(server.engine, GenRequest(ids, "mine", max_tokens=8, temperature=0), timeout_s=120)
+    finally:
+        server.engine.stop()
+    assert served.error is None, served.error
+    base, _ = load_model(ModelArgs(name_or_path=HUB_IDS[SMOLLM2], cache_dir=str(moved)))
+    peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    out = peft_model.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert served.text == server.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
