@@ -23,6 +23,8 @@ import torch
 from raylora.config import JobConfig, to_dict
 
 LORA_SHAPE = ("rank", "alpha", "target_modules", "use_rslora", "use_dora")
+# SAVE_NOTE: adapters are saved with save_embedding_layers=False. raylora never trains or resizes embeddings, and
+# peft's "auto" looks the recorded base (a Hub id) up on the Hub at every save to find out.
 CHECKPOINT_FILES = ("meta.json", "state.pt", "history.json", "adapter/adapter_model.safetensors")
 
 
@@ -51,7 +53,7 @@ def tokens_trained(state: TrainState) -> int:
 
 def save(folder: Path, model, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig) -> None:
     """Write a checkpoint of ``model`` (a peft model, unwrapped from DDP) into ``folder``."""
-    model.save_pretrained(folder / "adapter")
+    model.save_pretrained(folder / "adapter", save_embedding_layers=False)  # see SAVE_NOTE
     save_state(folder, optimizer, scheduler, scaler, state, cfg)
 
 

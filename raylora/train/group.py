@@ -290,7 +290,7 @@ class Group:
     def save_adapter(self, name: str, folder: Path) -> None:
         """Write member ``name``'s adapter as a plain peft adapter folder (``PeftModel.from_pretrained`` loads it)."""
         with tempfile.TemporaryDirectory(prefix="raylora-member-") as tmp:
-            self.model.save_pretrained(tmp, selected_adapters=[name])
+            self.model.save_pretrained(tmp, selected_adapters=[name], save_embedding_layers=False)  # ckpt.SAVE_NOTE
             shutil.rmtree(folder, ignore_errors=True)
             shutil.move(str(Path(tmp) / name), str(folder))
 

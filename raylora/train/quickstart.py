@@ -59,7 +59,7 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
     with model.disable_adapter():
         before = generate(model, tokenizer, question, device)
     losses, tokens, seconds = train_steps(model, packs, tokenizer.pad_token_id, cfg, backend, log)
-    model.save_pretrained(out / "adapter")
+    model.save_pretrained(out / "adapter", save_embedding_layers=False)  # see raylora.train.checkpoint's SAVE_NOTE
     # training stored the frozen weights in the autocast dtype (raylora.train.lm.store_frozen_linears)
     with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
         after = generate(model, tokenizer, question, device)

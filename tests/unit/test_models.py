@@ -5,7 +5,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from raylora.config import LoraArgs, ModelArgs
+from raylora.config import LoraArgs, ModelArgs, load_config
 from raylora.model_files import ModelError, tiny_tokenizer
 from raylora.models import attach_lora, load_model, randomise_lora, target_modules, tiny_model
 
@@ -135,3 +135,26 @@ def test_half_written_cache_names_the_folder_and_the_fix(tmp_path):
     (folder / "raylora-cache.json").write_text(json.dumps({"files": {"config.json": 2, "model.safetensors": 1000}}))
     with pytest.raises(ModelError, match="model.safetensors missing or truncated"):
         load_model(ModelArgs(cache_dir=str(tmp_path)))
+
+
+def test_saving_an_adapter_of_a_hub_named_base_asks_no_hub(tmp_path, monkeypatch):
+    """An adapter records its base's Hub id; peft's embedding check then looked that id up on the Hub at every save
+    (a download on a machine online, a warning per checkpoint offline)."""
+    import peft.utils.save_and_load
+
+    from raylora.train import checkpoint as ckpt
+    from raylora.train.checkpoint import TrainState
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(
+        peft.utils.save_and_load, "check_file_exists_on_hf_hub", lambda *a, **k: pytest.fail("the Hub was asked")
+    )
+    base = tiny_model("llama")
+    base.name_or_path = base.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model = attach_lora(base, LoraArgs())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    ckpt.save(tmp_path, model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), TrainState(),
+              load_config(None, []))  # fmt: skip
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
