@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from urllib.parse import urlparse
 
 import ray
@@ -147,15 +148,22 @@ def normal_priority() -> str:
 
 def stop_cluster(temp_dir: str) -> None:
     """Stop the processes of the cluster whose Ray files are in ``temp_dir`` (never another cluster's): those whose
-    command line names it, and whatever its raylets started (their agents rename themselves and would outlive them),
+    command line names it or its GCS address (the Ray client server), and whatever its raylets started (their agents rename themselves and would outlive them),
     never the calling process or its ancestors; SIGTERM, then SIGKILL after 5 s (the GCS server and the raylet
     ignored SIGTERM for 10-20 s)."""
     import psutil
 
     spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    client_server = None  # `ray start --head` also starts a Ray client server, which names only the GCS address
+    with contextlib.suppress(OSError):
+        client_server = (
+            f"ray.util.client.server --address={(Path(temp_dir) / 'ray_current_cluster').read_text().strip()} "
+        )
     ours = {}
     for p in psutil.process_iter(["cmdline", "name"]):
-        if temp_dir in " ".join(p.info["cmdline"] or []) and p.pid not in spared:
+        command = " ".join(p.info["cmdline"] or []) + " "
+        mine = temp_dir in command or (client_server is not None and client_server in command)
+        if mine and p.pid not in spared:
             ours[p.pid] = p
             if p.info["name"] == "raylet":
                 with contextlib.suppress(psutil.Error):
