@@ -21,9 +21,9 @@ def main() -> None:
     from peft import PeftModel
 
     from raylora.config import load_config
+    from raylora.generation import generate
     from raylora.models import load_model
     from raylora.train.fit import fit
-    from raylora.train.quickstart import generate
 
     args = sys.argv[1:] or ["configs/smollm2_identity_cpu.yaml"]
     cfg = load_config(args[0], args[1:])

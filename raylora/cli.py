@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from raylora.comm.links import PRESETS
 from raylora.config import ConfigError, load_config
 from raylora.paths import anchor_inputs, anchor_outputs
+from raylora.tune import space
+
+# The modules above are light (no torch, Ray, transformers or mlflow at import; tune.space must stay so). Every other
+# raylora module is imported inside main() and run_plan(), once the arguments are parsed: each command's module pulls
+# in torch, Ray, transformers or mlflow (1-5 s on 2 cores; the error classes in main() alone take about 4.8 s), and
+# `raylora --help` or a usage error must pay none of it.
 
 COMMANDS = {
     "quickstart": "single-process LoRA fine-tune of a few steps, save the adapter, answer a question",
@@ -34,8 +42,6 @@ def parser() -> argparse.ArgumentParser:
         if name == "serve":
             cmd.add_argument("--detach", action="store_true", help="deploy and return; the app keeps serving in Ray")
         if name == "plan":
-            from raylora.comm.plan import PRESETS
-
             cmd.add_argument("--cards", default="1,8,16,32,64,128,256", help="card counts, comma-separated")
             cmd.add_argument("--link-preset", default="atlas800t-a2", choices=sorted(PRESETS), help="cluster links")
             cmd.add_argument(
@@ -61,18 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         cfg = anchor_inputs(anchor_outputs(cfg, args.command, args.config))
         if args.command == "tune":
-            from raylora.tune.space import check
-
-            check(cfg)
+            space.check(cfg)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     if args.command == "doctor":
-        from raylora.doctor import check, render
+        from raylora.doctor import check, render  # torch and Ray, about 1.8 s: only `raylora doctor` pays it
 
         rows, problems = check(cfg)
         print(render(rows, problems))
         return 1 if problems else 0
+    # the error classes of every command, imported after parsing: these modules load torch, Ray Data, transformers and
+    # peft (about 4.8 s on 2 cores together), which `raylora --help` must not pay
     from raylora.backends import BackendError
     from raylora.data.sources import DataError
     from raylora.demo import DemoError
@@ -87,15 +93,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "prepare":
-            from raylora.data.pipeline import prepare
+            from raylora.data.pipeline import prepare  # after parsing: see top
 
             prepare(cfg)
         elif args.command == "export":
-            from raylora.export import export
+            from raylora.export import export  # after parsing: see top
 
             export(cfg)
         elif args.command == "serve":
-            from raylora.serve.launch import ServeSetupError, serve_forever, start
+            from raylora.serve.launch import ServeSetupError, serve_forever, start  # after parsing: see top
 
             try:
                 if args.detach:
@@ -108,19 +114,19 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plan":
             run_plan(cfg, args)
         elif args.command == "tune":
-            from raylora.tune.sweep import sweep
+            from raylora.tune.sweep import sweep  # after parsing: see top
 
             sweep(cfg, resume=args.resume)
         elif args.command == "demo":
-            from raylora.demo import run_demo
+            from raylora.demo import run_demo  # after parsing: see top
 
             run_demo(cfg, args.config)
         elif args.command == "train":
-            from raylora.train.fit import fit
+            from raylora.train.fit import fit  # after parsing: see top
 
             fit(cfg)
         else:
-            from raylora.train.quickstart import run_quickstart
+            from raylora.train.quickstart import run_quickstart  # after parsing: see top
 
             run_quickstart(cfg)
     except ConfigError as e:  # a sweep's trial that does not fit the cluster, found once Ray is up
@@ -137,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_plan(cfg, args) -> None:
     """``raylora plan``: print the predicted table and write the chart."""
-    from pathlib import Path
-
-    from raylora.comm.plan import PRESETS, chart, measure_mfu, predict, table
+    from raylora.comm.plan import chart, measure_mfu, predict, table  # torch, transformers, peft: only `plan` pays
 
     try:
         cards = [int(c) for c in args.cards.split(",")]

@@ -12,7 +12,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
 import ray
+from ray._private.utils import read_ray_address
 
 
 def ensure_ray() -> None:
@@ -82,8 +84,6 @@ def cluster_to_join() -> tuple[str | None, str | None]:
 
 def last_ray_start() -> str | None:
     """The address the last ``ray start`` on this host recorded in Ray's temp folder (``ray stop`` clears it)."""
-    from ray._private.utils import read_ray_address
-
     address = read_ray_address()
     return address if address not in (None, "", "local", "auto") else None
 
@@ -148,11 +148,9 @@ def normal_priority() -> str:
 
 def stop_cluster(temp_dir: str) -> None:
     """Stop the processes of the cluster whose Ray files are in ``temp_dir`` (never another cluster's): those whose
-    command line names it or its GCS address (the Ray client server), and whatever its raylets started (their agents rename themselves and would outlive them),
-    never the calling process or its ancestors; SIGTERM, then SIGKILL after 5 s (the GCS server and the raylet
-    ignored SIGTERM for 10-20 s)."""
-    import psutil
-
+    command line names it or its GCS address (the Ray client server), and whatever its raylets started (their agents
+    rename themselves and would outlive them), never the calling process or its ancestors; SIGTERM, then SIGKILL after
+    5 s (the GCS server and the raylet ignored SIGTERM for 10-20 s)."""
     spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     client_server = None  # `ray start --head` also starts a Ray client server, which names only the GCS address
     with contextlib.suppress(OSError):

@@ -258,6 +258,11 @@ class ServeArgs:
     )
 
 
+# What only serve.engine=hf reads; serve.engine=vllm refuses each one set to anything but its default.
+HF_ENGINE_KEYS = ("engine_threads", "batch_wait_ms", "max_prefill_tokens", "max_prompt_tokens", "adapter_group_size",
+                  "smoothquant_alpha", "calibration_rows")  # fmt: skip
+
+
 @dataclass
 class ExportArgs:
     adapter: str | None = _f(None, help="adapter folder merged into the base (None: the base alone)")
@@ -278,6 +283,20 @@ class TrackingArgs:
 
 
 @dataclass
+class HcclArgs:
+    connect_timeout: int = _f(1800, help="HCCL_CONNECT_TIMEOUT seconds", min=120, max=7200)
+    exec_timeout: int | None = _f(
+        None,
+        help="HCCL_EXEC_TIMEOUT seconds (None: CANN default; Atlas A2/A3: 0 = never; 910A: 1-17340, rounded down to a "
+        "multiple of 68)",
+        min=0,
+    )
+    buffsize: int | None = _f(None, help="HCCL_BUFFSIZE MB per communicator (None: CANN default 200)", min=1)
+    if_ip: str | None = _f(None, help="HCCL_IF_IP: this host's NIC address for HCCL")
+    socket_ifname: str | None = _f(None, help="HCCL_SOCKET_IFNAME: NIC name prefix for HCCL")
+
+
+@dataclass
 class BackendArgs:
     device: str = _f(
         "auto", help="device type; auto probes npu, then cuda, then cpu", choices=("auto", "npu", "cuda", "cpu")
@@ -287,16 +306,7 @@ class BackendArgs:
         help="autocast dtype; auto picks bf16 where the device runs it fast (probed), else fp32 (fp16 + scaler on 910A/310P, older CUDA)",
         choices=("auto", "fp32", "bf16", "fp16"),
     )
-    hccl_connect_timeout: int = _f(1800, help="HCCL_CONNECT_TIMEOUT seconds (NPU)", min=120, max=7200)
-    hccl_exec_timeout: int | None = _f(
-        None,
-        help="HCCL_EXEC_TIMEOUT seconds (NPU; None: CANN default; Atlas A2/A3: 0 = never; 910A: 1-17340, "
-        "rounded down to a multiple of 68)",
-        min=0,
-    )
-    hccl_buffsize: int | None = _f(None, help="HCCL_BUFFSIZE MB per communicator (NPU; None: CANN default 200)", min=1)
-    hccl_if_ip: str | None = _f(None, help="HCCL_IF_IP: this host's NIC address for HCCL (NPU)")
-    hccl_socket_ifname: str | None = _f(None, help="HCCL_SOCKET_IFNAME: NIC name prefix for HCCL (NPU)")
+    hccl: HcclArgs = _f(help="HCCL, the NPU collectives", factory=HcclArgs)
 
 
 @dataclass
@@ -438,7 +448,7 @@ def _build(cls: type, data: Any, path: str, problems: list[tuple[str, str]]) -> 
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
-            problems.append((_join(path, str(key)), _unknown(str(key), list(fields))))
+            problems.append((_join(path, str(key)), _unknown(str(key), list(fields), _join(path, str(key)))))
     kwargs = {}
     for name, f in fields.items():
         if name in data:
@@ -577,7 +587,14 @@ _KNOWN_AS = {
 }  # fmt: skip
 
 
-def _unknown(key: str, valid: list[str]) -> str:
+# Keys renamed since a release: the old name is refused with the new one.
+_RENAMED = {f"backend.hccl_{k}": f"backend.hccl.{k}" for k in ("connect_timeout", "exec_timeout", "buffsize", "if_ip",
+                                                                 "socket_ifname")}  # fmt: skip
+
+
+def _unknown(key: str, valid: list[str], path: str) -> str:
+    if path in _RENAMED:
+        return f"renamed: write {_RENAMED[path]} instead"
     near = [_KNOWN_AS[key]] if _KNOWN_AS.get(key) in valid else difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"did you mean {near[0]!r}? " if near else ""
     return f"unknown key; {hint}valid keys: {', '.join(valid)}"

@@ -22,6 +22,7 @@ end unless ``KEEP_SERVING=1``.
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import json
 import os
@@ -38,10 +39,22 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import yaml
 
+from raylora.backends import resolve_backend
 from raylora.cluster import stop_cluster
 from raylora.config import ConfigError, JobConfig, to_dict
+from raylora.data.packs import PackShard
+from raylora.data.sources import held_out_conversations
+from raylora.generation import answer
+from raylora.models import load_model
+from raylora.ports import free_port, port_holder
+from raylora.tracking import tracking_uri
+from raylora.train.lm import LossModel
+from raylora.train.loop import evaluate
+from raylora.tune import space
 
 STAGES = ("prepare", "before", "train", "sweep", "serve", "report")
 MAX_NEW_TOKENS = 64  # the identity answers are one or two sentences; general answers are cut here on both sides
@@ -61,9 +74,6 @@ def check_demo(cfg: JobConfig, source: str = "config") -> None:
             no eval split (the held-out questions and eval loss come from it), no ``data.placeholders.name``
             (it tells identity questions apart), a sweep the sweep checks refuse, a taken ``serve.port``.
     """
-    from raylora.serve.launch import port_holder
-    from raylora.tune.space import check
-
     problems: list[tuple[str, str]] = []
     if not cfg.tracking.enabled:
         problems.append(("tracking.enabled", "must be true: the sweep registers the best adapter in MLflow's registry, "
@@ -75,7 +85,7 @@ def check_demo(cfg: JobConfig, source: str = "config") -> None:
         problems.append(("data.placeholders.name", "is required: an identity question is a held-out row whose "
                                                    "answer names it"))  # fmt: skip
     try:
-        check(cfg)
+        space.check(cfg)
     except ConfigError as e:
         problems += e.problems
     holder = port_holder(cfg.serve.host, cfg.serve.port)
@@ -241,8 +251,6 @@ def pick_questions(cfg: JobConfig) -> list[dict[str, Any]]:
     Raises:
         DemoError: the eval split holds no identity question.
     """
-    from raylora.data.sources import held_out_conversations
-
     name = cfg.data.placeholders["name"]
     identity, general = [], []
     for conversation in held_out_conversations(cfg.data):
@@ -282,10 +290,6 @@ def score(cfg: JobConfig, questions: list[dict], answers: list[str]) -> dict[str
 def ask_base(cfg: JobConfig, questions: list[dict], log_path: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """The base model's greedy answers (Hugging Face ``generate``, one question at a time, in this process), its
     generation speed and its eval loss on the prepared eval split (the objective training reports)."""
-    from raylora.backends import resolve_backend
-    from raylora.models import load_model
-    from raylora.train.quickstart import answer
-
     backend = resolve_backend(cfg.backend)
     device = backend.torch_device()
     model, tokenizer = load_model(cfg.model)
@@ -310,13 +314,6 @@ def ask_base(cfg: JobConfig, questions: list[dict], log_path: Path, log: Callabl
 
 def eval_loss(model, pad_id: int, cfg: JobConfig, backend) -> float:
     """Cross-entropy per label token of ``model`` over the prepared eval shards, batched as training evaluates."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from raylora.data.packs import PackShard
-    from raylora.train.lm import LossModel
-    from raylora.train.loop import evaluate
-
     summary = json.loads((Path(cfg.data.output_dir) / "summary.json").read_text())
     files = sorted(Path(summary["splits"]["eval"]["shards"]).glob("*.parquet"))
     rows = pa.concat_tables([pq.read_table(p) for p in files]) if files else None
@@ -332,7 +329,6 @@ def eval_loss(model, pad_id: int, cfg: JobConfig, backend) -> float:
 def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str], None]) -> dict[str, str]:
     """``ray start --head`` on 127.0.0.1 with every port free (another cluster on this machine may hold Ray's
     defaults), Ray's files in ``temp_dir``; returns the dashboard (job API) URL."""
-    from raylora.serve.launch import free_port, port_holder
 
     dashboard = 8265 if port_holder("127.0.0.1", 8265) is None else free_port()
     ports = {name: free_port() for name in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
@@ -381,8 +377,6 @@ def final_eval_loss(train_dir: Path) -> float | None:
 
 def best_trial(cfg: JobConfig, sweep_dir: Path) -> dict[str, Any]:
     """The best completed trial of ``results.csv``: its searched values and metric."""
-    import csv
-
     with (sweep_dir / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
     completed = [r for r in rows if r["status"] == "completed"]
@@ -452,8 +446,6 @@ def http_json(url: str, body: dict, key: str | None = None) -> dict:
 
 def where_to_look(cfg: JobConfig, dashboard: str, url: str, adapter: str) -> dict[str, str]:
     """The commands and URLs the report ends with."""
-    from raylora.tracking import tracking_uri
-
     question = json.dumps({"model": adapter, "messages": [{"role": "user", "content": "Who are you?"}],
                            "max_tokens": MAX_NEW_TOKENS})  # fmt: skip
     return {

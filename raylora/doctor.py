@@ -11,6 +11,7 @@ from raylora.cluster import last_ray_start, unanswered
 from raylora.comm.hooks import check_hook
 from raylora.config import ConfigError, JobConfig
 from raylora.tracking import TrackingError, check_reachable, tracking_uri
+from raylora.tune.space import trial_count
 
 REQUIRED = {"torch": "torch==2.13.0", "ray": "ray[data,train,tune,serve,default]", "peft": "peft",
             "transformers": "transformers", "mlflow": "mlflow==3.17.2"}  # fmt: skip
@@ -74,7 +75,8 @@ def tracking(cfg: JobConfig) -> tuple[str, str | None]:
 
 def sweep(cfg: JobConfig) -> tuple[str, list[str]]:
     """What ``raylora tune`` refuses in this sweep (the checks it runs before anything starts), one line a problem."""
-    from raylora.tune.space import trial_count
+    # here, not at the top: tune.sweep imports transformers, peft and Ray Data (about 3 s more), and the doctor must
+    # still run, and report them MISSING, where they are not installed
     from raylora.tune.sweep import check_sweep
 
     try:

@@ -14,11 +14,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
+from peft import PeftModel
+from safetensors.torch import save_model
 
 from raylora.config import ConfigError, JobConfig, to_record
 from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
 from raylora.models import INT8_QUANTIZATION, INT8_WEIGHTS, load_model
+from raylora.quantize import quantize
 
 INT8_README = """# raylora int8 export (W8A8)
 
@@ -28,28 +30,6 @@ are in `raylora_int8.safetensors`, which transformers' `from_pretrained` does no
 (`model.name_or_path` set to this folder, `serve.quantization: none`) or load it with
 `raylora.models.load_model(ModelArgs(name_or_path=...))`.
 """
-
-
-def quantize(model, tokenizer, cfg: JobConfig, method: str) -> dict:
-    """Quantise ``model`` in place (``w8a8`` or ``w8a8-smoothquant``, alpha ``serve.smoothquant_alpha``).
-
-    SmoothQuant calibrates on the first ``serve.calibration_rows`` conversations of ``data.sources``,
-    rendered with the chat template as at serving time.
-    Returns:
-        :func:`raylora.ops.int8.quantize_model`'s summary.
-    Raises:
-        ValueError: SmoothQuant without data.sources.
-    """
-    from raylora.data.sources import sample_token_ids
-    from raylora.ops.int8 import quantize_model
-
-    calibration = None
-    if method == "w8a8-smoothquant":
-        if not cfg.data.sources:
-            raise ValueError(f"quantization {method} calibrates on data.sources, which is empty: name a data file")
-        ids = sample_token_ids(cfg.data, tokenizer, cfg.serve.calibration_rows)
-        calibration = [torch.tensor(x) for x in ids if x]
-    return quantize_model(model, method, calibration, cfg.serve.smoothquant_alpha)
 
 
 def _check_trained_on(cfg: JobConfig) -> None:
@@ -94,8 +74,6 @@ def export(cfg: JobConfig, log=print) -> Path:
         )
     model, tokenizer = load_model(cfg.model)
     if cfg.export.adapter:
-        from peft import PeftModel
-
         if not (Path(cfg.export.adapter) / "adapter_config.json").is_file():
             raise ModelError(
                 f"export.adapter={cfg.export.adapter} is not a peft adapter folder (no adapter_config.json)"
@@ -113,8 +91,6 @@ def export(cfg: JobConfig, log=print) -> Path:
         if cfg.export.quantization == "none":
             model.save_pretrained(stage)
         else:
-            from safetensors.torch import save_model
-
             summary = quantize(model, tokenizer, cfg, cfg.export.quantization)
             model.config.quantization_config = INT8_QUANTIZATION
             model.config.save_pretrained(stage)

@@ -1,6 +1,6 @@
 """Model files: registry names, Hugging Face folders, GGUF files converted once into a cache, and tokenizers.
 
-Kept free of torch at import time, so the data pipeline's Ray workers load a tokenizer without it.
+Importing it imports torch: transformers 5 loads torch with ``AutoTokenizer`` (through its ``configuration_utils``).
 GGUF files are dequantised by transformers once and cached as a safetensors model folder, so later
 loads are a plain ``from_pretrained``. One process converts while others wait on a lock; the folder is written aside,
 renamed into place and carries a manifest; what a killed conversion left aside is removed by the next one; a folder
@@ -20,7 +20,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import torch
+from gguf import GGUFReader
+from safetensors.torch import save_model
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from raylora.config import ModelArgs
 from raylora.templates import CHATML
@@ -118,10 +124,6 @@ def _convert(gguf: Path, folder: Path) -> None:
     """Convert ``gguf`` into ``folder`` through a private folder renamed into place; the caller holds the lock."""
     for stale in folder.parent.glob(f"{folder.name}.tmp-*"):  # left by a conversion killed part-way
         shutil.rmtree(stale, ignore_errors=True)
-    import torch
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM
-
     print(f"raylora: converting {gguf} into {folder} (once; about 20 s on 2 cores)", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -141,8 +143,6 @@ def _convert(gguf: Path, folder: Path) -> None:
 
 
 def _check_architecture(gguf: Path) -> None:
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
     arch = gguf_architecture(gguf)
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ModelError(
@@ -168,8 +168,6 @@ def check_cache(folder: Path) -> None:
 
 def gguf_architecture(gguf: Path) -> str:
     """The ``general.architecture`` of a GGUF file."""
-    from gguf import GGUFReader
-
     try:
         field = GGUFReader(str(gguf)).get_field("general.architecture")
     except Exception as e:
@@ -204,11 +202,8 @@ def _gguf_key(path: Path) -> str:
 
 def tiny_tokenizer() -> PreTrainedTokenizerBase:
     """A byte-level tokenizer (256 bytes + ChatML specials) with a ChatML template, built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(

@@ -10,7 +10,16 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_model as load_safetensors
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+)
 
 from raylora.config import LoraArgs, ModelArgs
 from raylora.model_files import (
@@ -22,6 +31,7 @@ from raylora.model_files import (
     model_folder,
     tiny_tokenizer,
 )
+from raylora.ops.int8 import quantize_model
 
 LORA_PRESETS = {
     "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -73,8 +83,6 @@ def model_skeleton(args: ModelArgs) -> torch.nn.Module:
 
 def base_config(folder: Path):
     """The folder's transformers config, less the quantisation entry of raylora's int8 folder."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(folder)
     if getattr(config, "quantization_config", None) == INT8_QUANTIZATION:
         del config.quantization_config
@@ -83,10 +91,6 @@ def base_config(folder: Path):
 
 def load_int8_folder(folder: Path, dtype: torch.dtype) -> PreTrainedModel:
     """Rebuild a model exported with int8 weights: the same int8 layers, then the saved tensors (strictly)."""
-    from safetensors.torch import load_model as load_safetensors
-
-    from raylora.ops.int8 import quantize_model
-
     manifest = json.loads((folder / INT8_MANIFEST).read_text())
     model = AutoModelForCausalLM.from_config(base_config(folder), dtype=dtype)
     quantize_model(model, "w8a8")
@@ -105,8 +109,6 @@ def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
 
     The same ``seed`` always gives the same weights.
     """
-    from transformers import LlamaConfig, Qwen2Config
-
     if kind not in ("llama", "qwen2"):
         raise ValueError(f"tiny_model: kind {kind!r}; expected 'llama' or 'qwen2'")
 
@@ -162,19 +164,22 @@ def target_modules(model: torch.nn.Module, names: list[str]) -> list[str] | str:
     return wanted
 
 
+def lora_config(model: torch.nn.Module, args: LoraArgs) -> LoraConfig:
+    """peft's LoRA config for ``args`` on ``model`` (its layer names checked): the one both a lone run and a member
+    of a shared-base group train with."""
+    return LoraConfig(
+        r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
+        target_modules=target_modules(model, args.target_modules),
+        use_rslora=args.use_rslora, use_dora=args.use_dora, task_type="CAUSAL_LM",
+    )  # fmt: skip
+
+
 def attach_lora(model: PreTrainedModel, args: LoraArgs):
     """Wrap ``model`` in a peft LoRA model; only the adapter weights are trainable.
 
     Returns:
         ``peft.PeftModel`` whose ``save_pretrained`` output loads with ``PeftModel.from_pretrained``.
     """
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
-        target_modules=target_modules(model, args.target_modules),
-        use_rslora=args.use_rslora, use_dora=args.use_dora, task_type="CAUSAL_LM",
-    )  # fmt: skip
     with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated is_gradient_checkpointing: noise per run
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, config)
+        return get_peft_model(model, lora_config(model, args))

@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
+# mlflow is imported inside the functions that use it: it costs about 1.2 s to import (0.6 s after Ray Serve), and the
+# serve ingress and replicas (and tune's config checks) import this module for AdapterError and check_name, needing
+# mlflow only when tracking is on and a registered adapter is listed or fetched.
+
 CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 KIND_TAG = "raylora.kind"
@@ -69,7 +73,7 @@ def list_registered(tracking_uri: str) -> list[str]:
     Names that are not valid adapter names (:func:`check_name`) are left out, since no request could
     select them. Returns an empty list when the store holds none.
     """
-    import mlflow
+    import mlflow  # mlflow: see the note at the top
 
     client = mlflow.MlflowClient(tracking_uri)
     names, token = [], None
@@ -97,7 +101,7 @@ def register(tracking_uri: str, name: str, source: str) -> int:
         AdapterError: 400 bad name, a source that is not a ``runs:/`` URI or holds no adapter;
             409 when ``name`` is a registered model that is not a LoRA adapter.
     """
-    import mlflow
+    import mlflow  # mlflow: see the note at the top
 
     check_name(name)
     client = mlflow.MlflowClient(tracking_uri)
@@ -119,8 +123,8 @@ def download(tracking_uri: str, uri: str, dst: Path) -> Path:
     Raises:
         AdapterError: 400 ``invalid_adapter_source`` when MLflow cannot resolve or download ``uri``.
     """
-    import mlflow
-    from mlflow.exceptions import MlflowException
+    import mlflow  # mlflow: see the note at the top
+    from mlflow.exceptions import MlflowException  # mlflow: see the note at the top
 
     try:
         location = _models_uri_location(mlflow.MlflowClient(tracking_uri), uri) if uri.startswith("models:/") else uri
@@ -138,7 +142,7 @@ def download(tracking_uri: str, uri: str, dst: Path) -> Path:
 def _models_uri_location(client: MlflowClient, uri: str) -> str:
     """Where the artifacts of ``models:/<name>/<version|latest>``, ``models:/<name>@<alias>`` or
     ``models:/<model_id>`` are stored, looked up in ``client``'s store."""
-    from mlflow.store.artifact.utils.models import get_model_name_and_version
+    from mlflow.store.artifact.utils.models import get_model_name_and_version  # mlflow: see the note at the top
 
     found = get_model_name_and_version(client, uri)
     if len(found) == 1:  # models:/<model_id>: an MLflow 3 logged model rather than a registered one
@@ -153,8 +157,8 @@ def latest_version(tracking_uri: str, name: str) -> tuple[int, str]:
         AdapterError: 404 ``adapter_not_found`` for an unknown name, a registered model not tagged
             ``raylora.kind = lora-adapter``, or one without versions.
     """
-    import mlflow
-    from mlflow.exceptions import MlflowException
+    import mlflow  # mlflow: see the note at the top
+    from mlflow.exceptions import MlflowException  # mlflow: see the note at the top
 
     client = mlflow.MlflowClient(tracking_uri)
     try:
@@ -184,8 +188,8 @@ def _logged_adapter_run(client: MlflowClient, source: str) -> str:
         AdapterError: 400 ``invalid_adapter_source`` for another scheme, an unknown run, or a path
             without ``adapter_config.json`` and adapter weights.
     """
-    from mlflow.exceptions import MlflowException
-    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+    from mlflow.exceptions import MlflowException  # mlflow: see the note at the top
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository  # mlflow: see the note at the top
 
     if not source.startswith("runs:/"):
         problem = "expected a runs:/<run_id>/<artifact_path> URI"
@@ -213,7 +217,7 @@ def _ensure_registered_model(client: MlflowClient, name: str) -> None:
     Raises:
         AdapterError: 409 ``adapter_exists`` when ``name`` is a registered model of another kind.
     """
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # mlflow: see the note at the top
 
     try:
         client.create_registered_model(name, tags={KIND_TAG: KIND})

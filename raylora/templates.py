@@ -1,6 +1,11 @@
 """Chat templates raylora ships: used when a tokenizer has none, or when a job names one."""
 
 import json
+from datetime import datetime
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -61,11 +66,6 @@ def compile_template(source: str):
     underscore names. Data workers use this instead of importing transformers, which costs each new
     worker process about 0.4 s.
     """
-    from datetime import datetime
-
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
         tags = {"generation"}

@@ -74,6 +74,12 @@ def worker_plan(args: BackendArgs, num_workers: int, cpus_per_worker: float) -> 
     return plan.dist_backend, plan.scaling(num_workers, cpus_per_worker), plan.env
 
 
+def store_timeout_s(env: dict[str, str]) -> int:
+    """How long the ranks' store waits for each other: Ray's default 1800 s, or as long as HCCL may take to connect
+    (``HCCL_CONNECT_TIMEOUT`` in effect for the workers, see :func:`worker_plan`)."""
+    return max(1800, int(env.get("HCCL_CONNECT_TIMEOUT", 0)))
+
+
 def install_rows() -> list[tuple[str, str]]:
     """``raylora doctor``'s rows on the device software installed here (torch_npu and CANN), device or not."""
     return npu.install_rows()

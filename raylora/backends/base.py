@@ -78,6 +78,19 @@ class Backend:
         getattr(torch, self.name).set_device(device)  # torch.cuda / torch.npu: collectives and kernels use it
         return device
 
+    def autocast(self) -> torch.autocast:
+        """Autocast to this backend's dtype; a disabled one in fp32."""
+        return torch.autocast(self.name, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """The gradient scaler fp16 autocast needs (a disabled one otherwise). On an NPU, torch_npu's own: it also
+        clears the chip's overflow flag and agrees on overflow across the ranks."""
+        if self.name == "npu" and self.needs_grad_scaler:
+            from raylora.backends.npu import grad_scaler  # npu.py imports this module: a top-level import is a cycle
+
+            return grad_scaler()
+        return torch.amp.GradScaler(self.name, enabled=self.needs_grad_scaler)
+
     def ddp_device_ids(self, device: torch.device) -> list[int] | None:
         """``device_ids`` for ``DistributedDataParallel``: the worker's accelerator, none on cpu."""
         return None if self.name == "cpu" else [device.index]

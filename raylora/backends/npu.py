@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from raylora.backends.base import Backend, BackendError, amp_from_precision, precision_note
-from raylora.config import BackendArgs
+from raylora.config import BackendArgs, HcclArgs
 
 NAME = "npu"
 DIST_BACKEND = "hccl"
@@ -62,18 +62,26 @@ def hccl_env(args: BackendArgs) -> dict[str, str]:
     sets wins; the optional variables are sent only when set there, so a node's own (a per-host ``HCCL_IF_IP``)
     stays in effect; ``HCCL_CONNECT_TIMEOUT`` left at raylora's default takes this environment's value if it has one.
     """
-    timeout = str(args.hccl_connect_timeout)
-    if args.hccl_connect_timeout == BackendArgs().hccl_connect_timeout:
+    hccl = args.hccl
+    timeout = str(hccl.connect_timeout)
+    if hccl.connect_timeout == HcclArgs().connect_timeout:
         timeout = os.environ.get("HCCL_CONNECT_TIMEOUT", timeout)
     env = {"HCCL_CONNECT_TIMEOUT": timeout}
     optional = {
-        "HCCL_EXEC_TIMEOUT": args.hccl_exec_timeout,
-        "HCCL_BUFFSIZE": args.hccl_buffsize,
-        "HCCL_IF_IP": args.hccl_if_ip,
-        "HCCL_SOCKET_IFNAME": args.hccl_socket_ifname,
+        "HCCL_EXEC_TIMEOUT": hccl.exec_timeout,
+        "HCCL_BUFFSIZE": hccl.buffsize,
+        "HCCL_IF_IP": hccl.if_ip,
+        "HCCL_SOCKET_IFNAME": hccl.socket_ifname,
     }
     env.update({k: str(v) for k, v in optional.items() if v is not None})
     return env
+
+
+def grad_scaler() -> torch.amp.GradScaler:
+    """torch_npu's fp16 gradient scaler (a subclass of torch's; its state_dict is the same)."""
+    from torch_npu.npu.amp import GradScaler  # only once probe() found torch_npu importable
+
+    return GradScaler(enabled=True)
 
 
 def soc_name() -> str:

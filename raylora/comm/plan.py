@@ -34,41 +34,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
+from raylora.comm.links import PRESETS as PRESETS  # re-exported: the presets live where the CLI reads them cheaply
+from raylora.comm.links import Link
 from raylora.config import JobConfig
+from raylora.models import attach_lora, load_model, model_skeleton
 
 HOOKS = ("none", "fp16", "bf16", "powersgd", "topk", "sign", "hadamard3")
 
 
-@dataclass(frozen=True)
-class Link:
-    """A cluster's cards and links. Bandwidths in GB/s (sustained bus bandwidth), latencies in microseconds."""
-
-    cards_per_node: int
-    intra_gbs: float
-    inter_gbs: float
-    intra_latency_us: float
-    inter_latency_us: float
-    peak_tflops: float
-
-
-PRESETS = {
-    # 8 x Ascend 910B (HCCS full mesh in the node), one 200 GbE RoCE port per card; 313 TFLOPS fp16/bf16 (910B3)
-    "atlas800t-a2": Link(8, 150.0, 22.0, 10.0, 20.0, 313.0),
-    # 8 x H100 SXM (NVLink 4 through NVSwitch), one 400 Gb/s NDR InfiniBand port per GPU; 989 TFLOPS dense bf16
-    "h100-ib": Link(8, 360.0, 45.0, 5.0, 10.0, 989.0),
-    # 8 x A100 SXM (NVLink 3), one 200 Gb/s HDR InfiniBand port per GPU; 312 TFLOPS dense bf16
-    "a100-ib": Link(8, 230.0, 22.0, 5.0, 10.0, 312.0),
-}
-
-
 def model_shapes(cfg: JobConfig) -> tuple[int, list[tuple[int, ...]]]:
     """``(frozen base parameters, shapes of the trainable LoRA tensors)`` of the job's model, built on the meta device."""
-    from raylora.models import attach_lora, model_skeleton
-
     model = attach_lora(model_skeleton(cfg.model), cfg.lora)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     return frozen, [tuple(p.shape) for p in model.parameters() if p.requires_grad]
@@ -131,8 +109,6 @@ def measure_mfu(cfg: JobConfig, seconds: float = 3.0) -> float:
     The peak is a square fp32 GEMM timed here; the step is forward and backward of one sequence of
     ``min(data.cutoff_len, 256)`` tokens, best of the runs that fit in ``seconds``.
     """
-    from raylora.models import attach_lora, load_model
-
     model = attach_lora(load_model(cfg.model)[0], cfg.lora).train()
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     tokens = min(cfg.data.cutoff_len, 256)
@@ -169,10 +145,12 @@ def table(rows: list[dict]) -> str:
 
 def chart(rows: list[dict], path, title: str) -> None:
     """A PNG of scaling efficiency against cards, one line per hook."""
+    # here, not at the top: pyplot must be imported after the Agg backend is chosen, which only drawing a chart
+    # does (importing this module leaves the process's backend alone); matplotlib + pyplot cost about 0.4 s
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg"), see above
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for hook in dict.fromkeys(r["hook"] for r in rows):

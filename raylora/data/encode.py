@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from jinja2 import TemplateError
+from tokenizers import Tokenizer
 
 from raylora.data.formats import Conversation, Message, RowError
 from raylora.data.tokenize import PieceTokenizer
@@ -106,8 +107,6 @@ class Encoder:
     """
 
     def __init__(self, spec: TokenizerSpec, cutoff_len: int, truncation: str, train_on_prompt: bool):
-        from tokenizers import Tokenizer
-
         self.backend = Tokenizer.from_str(spec.tokenizer_json)
         self.tokenize = PieceTokenizer(self.backend)
         self.template_name = spec.template_name

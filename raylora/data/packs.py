@@ -14,6 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from raylora.cluster import ensure_ray
+
 
 class Packs(NamedTuple):
     """The packs of one split in Ray's object store.
@@ -29,11 +35,6 @@ class Packs(NamedTuple):
 
 def put_packs(folder: str | Path) -> Packs:
     """The shard files (``*.parquet``) of ``folder``, read on the driver and put in Ray's object store in name order."""
-    import pyarrow.parquet as pq
-    import ray
-
-    from raylora.cluster import ensure_ray
-
     ensure_ray()
     tables = [pq.read_table(path) for path in sorted(Path(folder).glob("*.parquet"))]
     return Packs([ray.put(t) for t in tables], sum(t.num_rows for t in tables))
@@ -41,9 +42,6 @@ def put_packs(folder: str | Path) -> Packs:
 
 def read_packs(packs: Packs):
     """All packs as one ``pyarrow.Table`` (zero-copy from the object store on the same node)."""
-    import pyarrow as pa
-    import ray
-
     return pa.concat_tables(ray.get(packs.tables))
 
 
@@ -88,8 +86,6 @@ class PackShard:
 
     def epoch(self, epoch: int = 0, seed: int | None = None):
         """This worker's rows of epoch ``epoch`` (a ``pyarrow.Table``), in the order it reads them."""
-        import pyarrow as pa
-
         return self.table.take(pa.array(self.indices(epoch, seed), pa.int64()))
 
     def indices(self, epoch: int = 0, seed: int | None = None) -> list[int]:

@@ -9,6 +9,7 @@ that met them, next to the output; so are per-batch counts that the summary adds
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -19,6 +20,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import ray.data
+from ray.exceptions import RayTaskError
+
+from raylora import __version__, cluster  # cluster.ensure_ray read at call time: tests replace it
 from raylora.config import DataArgs, JobConfig, to_dict
 from raylora.data.datasource import RawRowsDatasource
 from raylora.data.encode import TokenizerSpec, tokenizer_spec
@@ -51,8 +56,6 @@ def build_dataset(
         ``ray.data.Dataset`` with columns input_ids, labels, position_ids, seq_lens (list<int32>),
         num_tokens (int32) and split (string).
     """
-    import ray.data
-
     plan = plan or plan_sources(cfg.data)
     (side_dir / "rejects").mkdir(parents=True, exist_ok=True)
     (side_dir / "counts").mkdir(parents=True, exist_ok=True)
@@ -90,13 +93,11 @@ def stream(cfg: JobConfig, side_dir: Path) -> dict[str, Any]:
     Raises:
         DataError: bad sources (checked before anything runs).
     """
-    from raylora.cluster import ensure_ray
-
     plan = plan_sources(cfg.data)
     spec = tokenizer_spec(load_tokenizer(cfg.model), cfg.data.template)
     for stale in ("rejects", "counts"):
         shutil.rmtree(side_dir / stale, ignore_errors=True)
-    ensure_ray()
+    cluster.ensure_ray()
     eval_keys = _eval_keys(cfg, plan) if cfg.data.eval_count else None
     packs = build_dataset(cfg, side_dir, spec, plan, eval_keys)
 
@@ -241,8 +242,6 @@ def _only_preparer(out: Path, log) -> Iterator[None]:
     second waits while the first prepares, then reuses the shards; one with other data settings is refused while a
     job that reads them runs (every reader holds a shared lock until it exits).
     """
-    import fcntl
-
     if not os.access(out, os.W_OK):  # a folder prepared once and mounted read-only: nobody rewrites it
         yield
         return
@@ -267,8 +266,6 @@ def _take_for_writing(out: Path) -> None:
     Raises:
         DataError: another running job reads them.
     """
-    import fcntl
-
     if out not in _READERS:  # a read-only folder (not locked): removing its files fails on its own
         return
     try:
@@ -281,8 +278,6 @@ def _take_for_writing(out: Path) -> None:
 
 
 def _prepare(cfg: JobConfig, out: Path, plan: dict, spec: TokenizerSpec, fp: dict, log) -> dict[str, Any]:
-    from raylora.cluster import ensure_ray
-
     manifest_path = out / "manifest.json"
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
@@ -293,7 +288,7 @@ def _prepare(cfg: JobConfig, out: Path, plan: dict, spec: TokenizerSpec, fp: dic
     for stale in ("shards", "rejects", "counts", "rejects.jsonl", "summary.json", "manifest.json"):
         target = out / stale
         shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-    ensure_ray()
+    cluster.ensure_ray()
     start = time.perf_counter()
     eval_keys = _eval_keys(cfg, plan) if cfg.data.eval_count else None
     written = build_dataset(cfg, out, spec, plan, eval_keys).map_batches(
@@ -314,8 +309,6 @@ def _prepare(cfg: JobConfig, out: Path, plan: dict, spec: TokenizerSpec, fp: dic
 def file_failures() -> Iterator[None]:
     """A whole file failing inside the pipeline (a ``.json`` array broken past its first row, which is all that is
     checked before Ray starts) as a :class:`DataError` naming the file and line, not Ray's task traceback."""
-    from ray.exceptions import RayTaskError
-
     try:
         yield
     except RayTaskError as e:
@@ -335,8 +328,6 @@ def _check_rejects(summary: dict[str, Any], data: DataArgs, out: Path) -> dict[s
 
 def _eval_keys(cfg: JobConfig, plan: dict) -> frozenset:
     """The ``data.eval_count`` rows with the smallest seeded hashes: an exact, reproducible hold-out."""
-    import ray.data
-
     reader = RawRowsDatasource(sorted(plan), max_rows_per_file=cfg.data.max_samples)
     raw = ray.data.read_datasource(reader, override_num_blocks=len(plan))
     with file_failures():
@@ -411,6 +402,4 @@ def render_summary(s: dict[str, Any], out: Path) -> str:
 
 
 def _version() -> str:
-    from raylora import __version__
-
     return __version__

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")  # in any case: C.JSONL is read
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")
@@ -69,13 +71,9 @@ def iter_raw(f: BinaryIO, path: str) -> Iterator[RawRow]:
     elif suffix == ".json":
         yield from _json(f, path)
     elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         batches = pq.ParquetFile(f).iter_batches(batch_size=4096)
         yield from _records([_without_nulls(row) for row in b.to_pylist()] for b in batches)
     else:
-        import pyarrow.csv as pcsv
-
         # Every column as text: a CSV file holds no types, and inferring them turned an answer "5" into the int 5,
         # which no format takes. Read as bytes and decoded per row, so a row that is not UTF-8 is rejected alone.
         names = pcsv.open_csv(f).schema.names

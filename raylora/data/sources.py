@@ -12,7 +12,7 @@ from typing import Any
 
 from raylora.config import DataArgs
 from raylora.data.dataset_info import RegistryError, load_registry, resolve
-from raylora.data.encode import tokenizer_spec
+from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import (
     DEFAULT_COLUMNS,
     FORMATS,
@@ -24,6 +24,7 @@ from raylora.data.formats import (
     to_conversation,
 )
 from raylora.data.read import expand, first_row, iter_raw
+from raylora.data.transforms import split_draw
 
 
 class DataError(ValueError):
@@ -143,8 +144,6 @@ def sample_conversations(data: DataArgs, n: int, skip: int = 0) -> list[Conversa
 
 def sample_token_ids(data: DataArgs, tokenizer, n: int, skip: int = 0) -> list[list[int]]:
     """Token ids of :func:`sample_conversations` rendered with ``data.template`` (calibration, perplexity)."""
-    from raylora.data.encode import Encoder
-
     encoder = Encoder(tokenizer_spec(tokenizer, data.template), data.cutoff_len, "tail", False)
     texts = [encoder.text(c) for c in sample_conversations(data, n, skip)]
     return [tokenizer(t, add_special_tokens=False).input_ids[: data.cutoff_len] for t in texts]
@@ -157,8 +156,6 @@ def held_out_conversations(data: DataArgs) -> list[Conversation]:
     ``data.eval_fraction``, or, with ``data.eval_count``, when it is among the rows with the smallest hashes.
     Rows that do not parse are left out (``prepare`` rejects them). Returns an empty list without an eval split.
     """
-    from raylora.data.transforms import split_draw
-
     plan = plan_sources(data)
     rows = []
     for path in sorted(plan):

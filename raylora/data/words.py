@@ -21,6 +21,7 @@ import itertools
 
 import numpy as np
 import regex
+from tokenizers import pre_tokenizers
 
 # ByteLevel(use_regex=True) in Hugging Face tokenizers splits with exactly this expression.
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -108,8 +109,6 @@ def word_encoder(backend) -> WordEncoder | None:
     (joined words must stay apart). A word alone then splits into itself, so the tokenizer's
     ids of a word alone are its ids in any text.
     """
-    from tokenizers import pre_tokenizers
-
     pre = backend.pre_tokenizer
     if (
         backend.normalizer is not None

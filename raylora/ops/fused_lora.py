@@ -25,6 +25,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 from raylora.ops.dropout import dropout_scale, lora_dropout
@@ -80,8 +81,6 @@ def clear_siblings(parent: nn.Module, *_) -> None:
 
 def siblings(parent: nn.Module) -> list[list[nn.Module]]:
     """The sets of ``parent``'s LoRA linears that read one input (:data:`SIBLINGS`, same ``in_features``)."""
-    from peft.tuners.lora import Linear as LoraLinear
-
     children = {n: m for n, m in parent.named_children() if isinstance(m, LoraLinear)}
     found = []
     for names in SIBLINGS:
@@ -138,8 +137,6 @@ def fuse_lora(model: nn.Module) -> int:
         The number of layers now running the fused forward; siblings listed in :data:`SIBLINGS` under one
         parent share a down-projection.
     """
-    from peft.tuners.lora import Linear as LoraLinear
-
     count = 0
     for parent in model.modules():
         children = [m for m in parent.children() if isinstance(m, LoraLinear)]

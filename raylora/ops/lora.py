@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
+
+from raylora.ops.int4 import Int4Linear
 
 BASE = "__base__"
 
@@ -33,8 +36,6 @@ def stack_adapters(model: nn.Module) -> int:
     Returns:
         The number of layers that now use the stacked forward.
     """
-    from peft.tuners.lora import Linear as LoraLinear
-
     count = 0
     for layer in model.modules():
         if not isinstance(layer, LoraLinear):
@@ -52,8 +53,6 @@ def stack_adapters(model: nn.Module) -> int:
 def plain_lora(layer, names: list[str]) -> bool:
     """Whether the adapters ``names`` of a peft LoRA linear are plain LoRA: no DoRA or other variant, no LoRA
     bias, no int4-stored factors (the layers the stacked and fused ops take over)."""
-    from raylora.ops.int4 import Int4Linear
-
     return all(
         n in layer.lora_B
         and n not in layer.lora_variant

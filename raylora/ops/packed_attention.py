@@ -21,6 +21,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "raylora_packed"
 FLASH_FROM = 256  # example length (tokens) from which sdpa_attend() takes sdpa's 4-D (flash) path
@@ -43,8 +46,6 @@ def packed_attention(
     With ``cu_seq_lens_q`` (from :func:`~raylora.data.collate.segment_bounds`) each segment attends causally
     within itself and the mask is not read; otherwise, or with attention dropout, this is transformers' sdpa.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if cu_seq_lens_q is None or dropout:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -182,9 +183,6 @@ def use_packed_attention(model: nn.Module) -> bool:
     Returns:
         Whether the model now uses it (False for eager, flash or a model that cannot switch).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     if model.config._attn_implementation != "sdpa":
         return False
     AttentionInterface.register(NAME, packed_attention)

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft.utils.other import get_pattern_key
+from safetensors import SafetensorError, safe_open
 
 from raylora.registry import AdapterError
 from raylora.serve.adapters import adapter_files, lora_config
@@ -77,8 +79,6 @@ def _tensor_shapes(weights: Path) -> dict[str, list[int]]:
         AdapterError: 422 ``adapter_unreadable`` for a file that is not whole (safetensors checks that its header
             and the tensors it lists fit the file) or not a tensor file at all.
     """
-    from safetensors import SafetensorError, safe_open
-
     try:
         if weights.suffix == ".safetensors":
             with safe_open(str(weights), framework="pt") as f:
@@ -97,8 +97,6 @@ def _tensor_problem(
     key: str, shape: list[int], modules: dict[str, torch.nn.Module], config: dict[str, Any]
 ) -> str | None:
     """What is wrong with one saved tensor against the base model's modules, or ``None`` when it fits."""
-    from peft.utils.other import get_pattern_key
-
     name = key.removeprefix("base_model.model.")
     lora = _LORA_KEY.fullmatch(name)
     if lora is None:  # modules_to_save copies, saved under the base model's own tensor names

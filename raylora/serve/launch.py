@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import socket
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
+import ray
+from ray import serve
+
+from raylora.backends import BackendError, planned_backend
+from raylora.cluster import cluster_to_join, ensure_ray
 from raylora.config import JobConfig
 from raylora.data.sources import DataError, plan_sources
+from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
+from raylora.ports import port_holder
+from raylora.serve.app import build_app
+from raylora.serve.vllm import build_vllm_app, check_vllm_config
 
 APP_NAME = "raylora"
 
@@ -23,16 +32,12 @@ class ServeSetupError(ValueError):
 
 def check_serve(cfg: JobConfig) -> list[str]:
     """Every problem that would stop ``cfg`` from serving, found without touching the cluster."""
-    from raylora.backends import BackendError, planned_backend
-
     problems = []
     try:
         backend = planned_backend(cfg.backend)
     except BackendError as e:
         return [str(e)]
     if cfg.serve.engine == "vllm":
-        from raylora.serve.vllm import check_vllm_config
-
         return check_vllm_config(cfg, backend)
     if cfg.serve.quantization == "w8a8-smoothquant":
         if not cfg.data.sources:
@@ -61,8 +66,6 @@ def check_serve(cfg: JobConfig) -> list[str]:
 def redeploys(port: int) -> bool:
     """Whether ``port`` is held by the Serve proxy of the very cluster this command joins, where ``serve.run``
     replaces the application in place (any other holder, a new cluster's proxy included, would share the port)."""
-    from raylora.cluster import cluster_to_join
-
     joined, _ = cluster_to_join()
     proxy = serve_proxy_cluster(port)
     return bool(joined and proxy and same_address(joined, proxy))
@@ -71,8 +74,6 @@ def redeploys(port: int) -> bool:
 def serve_proxy_cluster(port: int) -> str | None:
     """The GCS address of the Ray cluster whose Serve proxy listens on ``port`` on this host, if one does: the
     ``--gcs-address`` of the raylet that started the proxy's process."""
-    import psutil
-
     for conn in psutil.net_connections("tcp"):
         if conn.status != psutil.CONN_LISTEN or conn.laddr.port != port or not conn.pid:
             continue
@@ -91,8 +92,6 @@ def same_address(a: str, b: str) -> bool:
     """Whether two Ray GCS addresses (``host:port``) name the same port of one host; any two names of this host
     (127.0.0.1, its hostname, an interface's address) count as one. A Ray Client address (``ray://``) names another
     port and never matches."""
-    import psutil
-
     first, second = (urlparse(x if "://" in x else f"//{x}") for x in (a, b))
     if "ray" in (first.scheme, second.scheme):
         return False
@@ -106,56 +105,7 @@ def same_address(a: str, b: str) -> bool:
     return len(hosts) == 1 or all(h.startswith("127.") or h in here for h in hosts)
 
 
-def port_holder(host: str, port: int) -> str | None:
-    """What listens on ``host:port``: ``None`` when the port is free, else the process (pid and command line)."""
-    import psutil
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no holder
-        try:
-            s.bind((host, port))
-            return None
-        except OSError:
-            pass
-    for conn in psutil.net_connections("tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            try:
-                command = " ".join(psutil.Process(conn.pid).cmdline())
-            except psutil.Error:
-                command = "?"
-            return f"process {conn.pid} ({command[:160]})"
-    return "another process"
-
-
-_GIVEN: set[int] = set()  # ports free_port has handed out in this process
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing is bound to, drawn at random from 20000-29999 and not handed out before in this process.
-
-    Not a port the kernel picks (binding port 0): those come from the ephemeral range (32768-60999 on Linux), where
-    Ray's own processes bind theirs too, so a Ray process started after the pick can take it first. 20000-29999
-    lies between Ray's worker ports (10002-19999) and that range.
-    Raises:
-        OSError: every port tried is taken.
-    """
-    draws = random.Random()
-    for port in draws.sample(range(20000, 30000), 500):
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _GIVEN.add(port)
-        return port
-    raise OSError(f"no free port on {host} in 20000-29999 after 500 tries")
-
-
 def _model_problems(cfg: JobConfig) -> list[str]:
-    from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
-
     if cfg.model.name_or_path in TINY:
         return []
     try:
@@ -176,8 +126,6 @@ def start(cfg: JobConfig, detach: bool = False) -> str:
     Raises:
         ServeSetupError: listing every problem :func:`check_serve` found, before any Ray process starts.
     """
-    from raylora.cluster import cluster_to_join
-
     problems = check_serve(cfg)
     if detach and cluster_to_join()[0] is None:
         problems.append(
@@ -187,21 +135,12 @@ def start(cfg: JobConfig, detach: bool = False) -> str:
         )
     if problems:
         raise ServeSetupError("cannot serve:\n  - " + "\n  - ".join(problems))
-    from ray import serve
-
-    from raylora.cluster import ensure_ray
-
     ensure_ray()
     Path(cfg.serve.adapter_root).mkdir(parents=True, exist_ok=True)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     if cfg.serve.engine == "vllm":
-        from raylora.backends import planned_backend
-        from raylora.serve.vllm import build_vllm_app
-
         app = build_vllm_app(cfg, planned_backend(cfg.backend))
     else:
-        from raylora.serve.app import build_app
-
         app = build_app(cfg)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return f"http://{cfg.serve.host}:{cfg.serve.port}"
@@ -219,9 +158,6 @@ def wait_for_interrupt(poll: float = 0.5) -> None:
 
 def serve_forever(cfg: JobConfig) -> None:
     """``raylora serve``: deploy, print how to call it, and serve until Ctrl-C or SIGTERM, then stop cleanly."""
-    import ray
-    from ray import serve
-
     url = start(cfg)
 
     def interrupt(signum, frame):

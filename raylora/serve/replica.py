@@ -1,19 +1,16 @@
 """The model deployment: one replica holds the base model (quantised if asked), its engine, and an adapter LRU.
 
 Adapters are loaded through Ray Serve's model multiplexing, so the router sends a request for adapter A
-to a replica that already holds A; the LRU size is ``serve.max_adapters``. An adapter the LRU evicts is
-detached only once no request uses it any more, and never while the LRU holds it again: which adapters go
-is decided on the engine thread, from what the LRU holds and what requests use at that moment.
+to a replica that already holds A; the LRU size is ``serve.max_adapters``. The replica asks its
+:class:`~raylora.serve.bank.AdapterBank`, the one writer of the model's adapters, to attach an adapter, release one
+the LRU evicted, and keep one a request uses until it reaches the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
-import threading
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
@@ -23,15 +20,13 @@ from ray import serve
 
 from raylora.config import JobConfig, from_dict
 from raylora.data.formats import Conversation
-from raylora.ops.lora import stack_adapters
+from raylora.quantize import quantize
 from raylora.registry import AdapterError
 from raylora.serve.adapters import fetch_registered, local_adapter
-from raylora.serve.compat import check_compatible
+from raylora.serve.bank import AdapterBank
 from raylora.serve.engine import Engine, Event, GenRequest, joined
 from raylora.serve.protocol import ApiError
 from raylora.serve.tools import forced_prefix
-
-log = logging.getLogger("ray.serve")
 
 
 def load_serving_model(cfg: JobConfig):
@@ -46,8 +41,6 @@ def load_serving_model(cfg: JobConfig):
     model, tokenizer = load_model(cfg.model)
     summary: dict = {}
     if cfg.serve.quantization != "none":
-        from raylora.export import quantize
-
         summary = quantize(model, tokenizer, cfg, cfg.serve.quantization)
     return model.to(resolve_backend(cfg.backend).torch_device()), tokenizer, summary
 
@@ -88,10 +81,7 @@ class LLMServer:
         self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000, threads,
                              cfg.serve.max_prefill_tokens)  # fmt: skip
         self.root = Path(cfg.serve.adapter_root).resolve()
-        self._held: set[str] = set()  # adapters Serve's LRU holds
-        self._attached: set[str] = set()  # adapters in the model; changed on the engine thread only
-        self._pinned: Counter[str] = Counter()  # requests between loading their adapter and reaching the engine
-        self._lock = threading.Lock()
+        self.bank = AdapterBank(self.engine, self.base, cfg.serve, bool(self.quantization))
 
         async def adapter(name: str) -> _Held:  # Serve keeps its LRU on a function, not on a bound method
             return await self._load(name)
@@ -100,9 +90,7 @@ class LLMServer:
 
     async def _load(self, name: str) -> _Held:
         path = await asyncio.to_thread(self._find, name)
-        await asyncio.wrap_future(self.engine.call(lambda: self._attach(name, path)))
-        with self._lock:
-            self._held.add(name)
+        await self.bank.hold(name, path)
         return _Held(self, name)
 
     def _find(self, name: str) -> Path:
@@ -115,64 +103,9 @@ class LLMServer:
 
         return fetch_registered(tracking_uri(self.cfg.tracking), name, self.root)
 
-    def _attach(self, name: str, path: Path) -> None:
-        """Engine thread: add adapter ``name`` to the model (idempotent)."""
-        from peft import PeftModel
-
-        if name in self._attached:
-            return
-        model = self.engine.model
-        config = check_compatible(path, self.base, self.cfg.serve.max_lora_rank)
-        if config.get("use_dora") and self.quantization:
-            # DoRA reads the base weight as floats; on int8 weights its answers would be silently wrong.
-            raise AdapterError(422, "adapter_incompatible", f"adapter {name!r} is DoRA, which cannot run on the "
-                               f"int8 base (serve.quantization={self.cfg.serve.quantization}); serve it with "
-                               "serve.quantization=none")  # fmt: skip
-        if hasattr(model, "peft_config"):
-            model.load_adapter(str(path), adapter_name=name)
-        else:
-            model = PeftModel.from_pretrained(model, str(path), adapter_name=name)
-        self.engine.model = model.eval()
-        if self.cfg.serve.adapter_bits == 4:
-            from raylora.ops.int4 import quantize_adapter
-
-            quantize_adapter(model, name, self.cfg.serve.adapter_group_size)
-        stack_adapters(model)
-        with self._lock:
-            self._attached.add(name)
-        log.info("adapter %s loaded from %s", name, path)
-
     def retire(self, name: str) -> None:
-        """Serve's LRU evicted ``name``: detach it once no request uses it."""
-        with self._lock:
-            self._held.discard(name)
-        self._collect_soon()
-
-    def _collect_soon(self) -> None:
-        with self._lock:
-            if self._attached - self._held:
-                self.engine.call(self._collect)
-
-    def _collect(self) -> None:
-        """Engine thread: detach every adapter that the LRU does not hold and no request uses."""
-        with self._lock:
-            keep = self._held | set(+self._pinned)
-        # Read after ``keep``: a request is pinned until it is in the engine, so none slips between the two.
-        keep |= self.engine.adapters_in_use()
-        drop = sorted(self._attached - keep)
-        if not drop:
-            return
-        model = self.engine.model
-        for name in drop:
-            model.delete_adapter(name)
-            with self._lock:
-                self._attached.discard(name)
-            log.info("adapter %s unloaded", name)
-        if self._attached:
-            stack_adapters(model)
-        else:
-            # peft keeps a deleted last adapter as the active one, and every later forward fails on it.
-            self.engine.model = model.unload()
+        """Serve's LRU evicted ``name``."""
+        self.bank.release(name)
 
     def render(
         self, messages: list[dict] | None, prompt: str | None, tools: list[dict] | None = None, answer_start: str = ""
@@ -269,29 +202,14 @@ class LLMServer:
         error with its status) is one event ``{"refused": {status, message, param, code, type}}``.
         """
         adapter = serve.get_multiplexed_model_id() or None
-        with self._lock:
-            self._pinned[adapter] += 1
         refused = None
         try:
-            field = "prompt" if request["messages"] is None else "messages"
-            self.check_chars(request, field)
-            start = self.answer_start(request) if request["messages"] is not None else ""
-            ids = self.render(request["messages"], request["prompt"], request["tools"], start)
-            max_tokens = self.budget(len(ids), request["max_tokens"], field)
-            if adapter:
-                await self._adapter(adapter)
-            req = GenRequest(ids, adapter, max_tokens, request["temperature"], request["top_p"], tuple(request["stop"]),
-                             request["seed"])  # fmt: skip
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue[Event] = asyncio.Queue()
-            seq = self.engine.submit(req, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))
+            with self.bank.pinned(adapter):
+                seq, queue = await self._submit(request, adapter)
         except ApiError as e:
             refused = e
         except AdapterError as e:
             refused = ApiError(e.status, str(e), "model", e.code)
-        finally:
-            with self._lock:
-                self._pinned[adapter] -= 1
         if refused is not None:  # yielded, not raised: Serve logs a traceback for every exception a replica raises
             yield {"refused": refused.body()["error"] | {"status": refused.status}}
             return
@@ -306,13 +224,27 @@ class LLMServer:
                     return
         finally:
             seq.cancel()
-            self._collect_soon()
+            self.bank.collect_soon()
+
+    async def _submit(self, request: dict, adapter: str | None):
+        """Render, check and submit one request (its adapter loaded first); returns its sequence and event queue."""
+        field = "prompt" if request["messages"] is None else "messages"
+        self.check_chars(request, field)
+        start = self.answer_start(request) if request["messages"] is not None else ""
+        ids = self.render(request["messages"], request["prompt"], request["tools"], start)
+        max_tokens = self.budget(len(ids), request["max_tokens"], field)
+        if adapter:
+            await self._adapter(adapter)
+        req = GenRequest(ids, adapter, max_tokens, request["temperature"], request["top_p"], tuple(request["stop"]),
+                         request["seed"])  # fmt: skip
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        seq = self.engine.submit(req, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))
+        return seq, queue
 
     def info(self) -> dict:
         """What this replica runs: pid, quantisation summary, loaded adapters (for probes and tests)."""
-        with self._lock:
-            loaded = sorted(self._attached)
-        return {"pid": os.getpid(), "quantization": self.quantization, "adapters": loaded}
+        return {"pid": os.getpid(), "quantization": self.quantization, "adapters": self.bank.attached()}
 
     def check_health(self) -> None:
         if not self.engine.alive():

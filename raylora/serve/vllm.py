@@ -32,8 +32,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fastapi import HTTPException
+from ray.llm._internal.common.models import global_id_manager
+from ray.llm._internal.common.utils.lora_utils import get_lora_id
+from ray.llm._internal.serve.core.configs.llm_config import DiskMultiplexConfig
+
 from raylora.backends import Backend, BackendError
-from raylora.config import JobConfig
+from raylora.config import HF_ENGINE_KEYS, JobConfig, ServeArgs
 from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
 from raylora.registry import AdapterError
 from raylora.serve.adapters import local_adapter
@@ -79,6 +84,13 @@ def check_vllm_config(cfg: JobConfig, backend: Backend) -> list[str]:
             f"serve.max_lora_rank={serve.max_lora_rank}: vLLM accepts only "
             f"{', '.join(map(str, VLLM_LORA_RANKS))}; {fix} (the smallest allowed value your adapters fit under)"
         )
+    for key in HF_ENGINE_KEYS:
+        value = getattr(serve, key)
+        if value != getattr(ServeArgs(), key):
+            problems.append(
+                f"serve.{key}={value}: only serve.engine=hf reads it, so vLLM would silently ignore it; unset it, "
+                "or use serve.engine=hf"
+            )
     if cfg.lora.use_dora:
         problems.append(
             "lora.use_dora=true: vLLM refuses DoRA adapters ('vLLM does not yet support DoRA'); "
@@ -192,11 +204,6 @@ class LocalAdapterLoader:
             fastapi.HTTPException: 400 for a name that is not a safe folder name, 404 when the folder or
                 its files are missing; Ray's own loader raises the same, and Ray Serve LLM answers with its status.
         """
-        from fastapi import HTTPException
-        from ray.llm._internal.common.models import global_id_manager
-        from ray.llm._internal.common.utils.lora_utils import get_lora_id
-        from ray.llm._internal.serve.core.configs.llm_config import DiskMultiplexConfig
-
         try:
             folder = local_adapter(self.root, get_lora_id(lora_model_id))
         except AdapterError as e:
@@ -214,7 +221,7 @@ def _local_adapter_server(root: str) -> type:
 
     Built on demand because ``LLMServer`` imports vLLM; Ray Serve ships the class to the replicas by value.
     """
-    from ray.serve.llm.deployment import LLMServer
+    from ray.serve.llm.deployment import LLMServer  # imports vLLM, an optional dependency: only here, on demand
 
     loader = functools.partial(LocalAdapterLoader, root)
 

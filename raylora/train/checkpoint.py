@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,10 +52,24 @@ def tokens_trained(state: TrainState) -> int:
     return int(state.history[-1].get("tokens", 0)) if state.history else 0
 
 
-def save(folder: Path, model, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig) -> None:
-    """Write a checkpoint of ``model`` (a peft model, unwrapped from DDP) into ``folder``."""
-    model.save_pretrained(folder / "adapter", save_embedding_layers=False)  # see SAVE_NOTE
+def save(
+    folder: Path, model, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig, adapter: str = "default"
+) -> None:
+    """Write a checkpoint of ``model``'s adapter ``adapter`` (a peft model, unwrapped from DDP) into ``folder``."""
+    save_adapter(model, adapter, folder / "adapter")
     save_state(folder, optimizer, scheduler, scaler, state, cfg)
+
+
+def save_adapter(model, adapter: str, folder: Path) -> None:
+    """Write ``model``'s adapter ``adapter`` as a plain peft adapter folder (``PeftModel.from_pretrained`` loads it):
+    peft writes any adapter but ``default`` into a sub-folder of its name, which becomes ``folder``."""
+    if adapter == "default":
+        model.save_pretrained(folder, save_embedding_layers=False)  # see SAVE_NOTE
+        return
+    with tempfile.TemporaryDirectory(prefix="raylora-adapter-") as tmp:
+        model.save_pretrained(tmp, selected_adapters=[adapter], save_embedding_layers=False)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.move(str(Path(tmp) / adapter), str(folder))
 
 
 def save_state(folder: Path, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig) -> None:

@@ -4,7 +4,7 @@ check what is cheap to check (devices, cluster CPUs, MLflow) → ask the data la
 (prepared shards, or with ``data.streaming`` the lazy pipeline) → open the MLflow run → build and run the
 TorchTrainer → copy out the adapter, write the loss plot and the resolved config → close the MLflow run.
 Rerunning a job with the same ``train.output_dir`` resumes from its newest checkpoint, with any
-number of workers, and continues the job's MLflow run when the settings are the same (:func:`job_run`).
+number of workers, and continues the job's MLflow run when the settings are the same (:func:`raylora.runs.job_run`).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from raylora.data.pipeline import DataError, TrainingData, training_data
 from raylora.data.sources import plan_sources
 from raylora.model_files import ModelError
 from raylora.models import model_skeleton, target_modules
-from raylora.tracking import check_reachable, finish_run, reopen_run, start_run, tracking_uri
+from raylora.runs import job_run
+from raylora.tracking import check_reachable, finish_run, tracking_uri
 from raylora.train.checkpoint import CheckpointError, check_compatible, checkpoint_step, drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
 from raylora.train.cpus import free_share
 from raylora.train.plot import plot_history
-from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
+from raylora.train.trainer import TrainingError, build_trainer, check_outcome, run_settings
 
-RUN_FILE = "mlflow_run.json"  # in train.output_dir: the MLflow run the job's checkpoints belong to
 # The streamed pipeline's tasks each ask for a whole CPU: the workers must leave one free or training waits forever.
 READ_CPUS = 1.0
 
@@ -122,23 +122,6 @@ def _finished(cfg: JobConfig, out: Path, log) -> dict[str, Any] | None:
     return {"adapter": str(out / "adapter"), "steps": step, "loss": last.get("loss"),
             "eval_loss": last.get("eval_loss"), "resumed_from": step, "skipped_steps": 0, "run_id": None,
             "history": history}  # fmt: skip
-
-
-def job_run(cfg: JobConfig, out: Path) -> str | None:
-    """The MLflow run a job logs to (``None`` with tracking off).
-
-    A job resuming from its checkpoints with the same settings continues the run that wrote them, so its curves go
-    on; with other settings (a raised ``train.max_steps``) it opens a new run tagged ``raylora.continues_run``.
-    """
-    if not cfg.tracking.enabled:
-        return None
-    params, saved = flatten(to_record(cfg)), out / RUN_FILE
-    earlier = json.loads(saved.read_text())["run_id"] if saved.exists() and newest_checkpoint(out) else None
-    if earlier is not None and reopen_run(cfg.tracking, earlier, params):
-        return earlier
-    run_id = start_run(cfg.tracking, out.name, params, tags={"raylora.continues_run": earlier} if earlier else None)
-    saved.write_text(json.dumps({"run_id": run_id}))
-    return run_id
 
 
 def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:

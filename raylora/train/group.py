@@ -31,7 +31,6 @@ import functools
 import hashlib
 import math
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -41,12 +40,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from peft import get_peft_model
 
 from raylora.backends import resolve_backend
 from raylora.config import JobConfig
 from raylora.data.collate import collate_packs
 from raylora.data.packs import PackShard
-from raylora.models import load_model, target_modules
+from raylora.models import load_model, lora_config
 from raylora.ops.dropout import dropout_scale, lora_dropout
 from raylora.ops.fused_lora import SharedDown, clear_siblings, siblings
 from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
@@ -55,6 +55,7 @@ from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
 from raylora.train.lm import autocast_outputs, enable_recompute, head_is_plain_linear, store_frozen_linears
 from raylora.train.optim import adamw, build_scheduler
+from raylora.train.policy import NanGuard, due, roll_back, step_metrics
 
 
 @dataclass
@@ -72,10 +73,13 @@ class Member:
     state: TrainState
     last_good: dict
     resumed_from: int = 0
-    bad_in_row: int = 0
+    guard: NanGuard | None = None  # train.nan_tolerance's, made with the member
     tokens_seen: int = 0
     tokens_before: int = 0  # trained before the checkpoint it resumed from
     started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        self.guard = self.guard or NanGuard(self.cfg.train.nan_tolerance)
 
 
 @dataclass
@@ -171,15 +175,9 @@ class Group:
             ModelError: ``cfg.lora.target_modules`` names a layer the base does not have.
             CheckpointError: ``resume_from`` was written for another base model or LoRA shape.
         """
-        from peft import LoraConfig, get_peft_model
-
         if name in self.members:
             raise ValueError(f"{name} is already a member of this group")
-        lora = LoraConfig(
-            r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-            target_modules=target_modules(self.base, cfg.lora.target_modules), use_rslora=cfg.lora.use_rslora,
-            task_type="CAUSAL_LM",
-        )  # fmt: skip
+        lora = lora_config(self.base, cfg.lora)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.train.seed)
             if self.model is None:
@@ -192,13 +190,12 @@ class Group:
         for _, p in named:
             p.requires_grad_(True)
         if self.chunked is False and cfg.train.chunked_loss:
-            amp = self.backend.amp_dtype
-            with torch.autocast(self.backend.name, dtype=amp, enabled=amp is not None):  # the base may be stored in amp
+            with self.backend.autocast():  # the base may be stored in amp
                 self.chunked = head_is_plain_linear(self.model)[0]
         optimizer = adamw(named, cfg.train, self.backend)
         lr_scale = [1.0]
         scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
-        scaler = torch.amp.GradScaler(self.backend.name, enabled=self.backend.needs_grad_scaler)
+        scaler = self.backend.grad_scaler()
         state = TrainState()
         if resume_from is not None:
             ckpt.check_compatible(resume_from, cfg)
@@ -253,22 +250,16 @@ class Group:
             m.state.epoch, m.state.rows_in_epoch = position
             m.state.step += 1
             m.tokens_seen += tokens
-            train = m.cfg.train
-            final = m.state.step == train.max_steps
-            evaluate_now = final or (train.eval_every and m.state.step % train.eval_every == 0)
-            save_now = final or (train.checkpoint_every and m.state.step % train.checkpoint_every == 0)
+            when = due(m.state.step, m.cfg.train)
             report = None
-            if final or evaluate_now or save_now or m.state.step % train.log_every == 0:
-                report = {
-                    "loss": loss, "lr": m.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                    "tokens_per_s": m.tokens_seen / (time.perf_counter() - m.started),
-                    "tokens": m.tokens_before + m.tokens_seen,
-                    "peak_memory_mb": self.backend.peak_memory_mb(), "skipped_steps": m.state.skipped_steps,
-                }  # fmt: skip
-            if evaluate_now and self.eval_rows:
+            if when.log:
+                seconds = time.perf_counter() - m.started
+                report = step_metrics(loss, m.scheduler.get_last_lr()[0], grad_norm, m.tokens_seen, seconds,
+                                      m.tokens_before, self.backend, m.state)  # fmt: skip
+            if when.evaluate and self.eval_rows:
                 due_eval.append(m)
-            events.append(Event(m.name, m.state.step, "done" if final else "running", report, None))
-            if save_now:
+            events.append(Event(m.name, m.state.step, "done" if when.final else "running", report, None))
+            if when.save:
                 saving.add(m.name)
         scores = self._evaluate(due_eval) if due_eval else {}
         for event in events:
@@ -289,10 +280,7 @@ class Group:
 
     def save_adapter(self, name: str, folder: Path) -> None:
         """Write member ``name``'s adapter as a plain peft adapter folder (``PeftModel.from_pretrained`` loads it)."""
-        with tempfile.TemporaryDirectory(prefix="raylora-member-") as tmp:
-            self.model.save_pretrained(tmp, selected_adapters=[name], save_embedding_layers=False)  # ckpt.SAVE_NOTE
-            shutil.rmtree(folder, ignore_errors=True)
-            shutil.move(str(Path(tmp) / name), str(folder))
+        ckpt.save_adapter(self.model, name, folder)
 
     def _save(self, m: Member) -> Path:
         """The member's checkpoint ``out/ray/checkpoint_<step>`` (the layout of a Ray Train run's), keeping the newest."""
@@ -301,8 +289,7 @@ class Group:
         partial = root / f".{folder.name}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        self.save_adapter(m.name, partial / "adapter")
-        ckpt.save_state(partial, m.optimizer, m.scheduler, m.scaler, m.state, m.cfg)
+        ckpt.save(partial, self.model, m.optimizer, m.scheduler, m.scaler, m.state, m.cfg, adapter=m.name)
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
         for old in sorted(root.glob("checkpoint_*"))[: -m.cfg.train.keep_checkpoints]:
@@ -311,21 +298,13 @@ class Group:
 
     def _guard(self, m: Member, loss: float, grad_norm: float) -> Event | None:
         """The NaN guard of one member's step; returns an Event when the step did not count."""
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            m.bad_in_row = 0
+        verdict = m.guard.verdict(loss, grad_norm, m.state)
+        if verdict == "ok":
             return None
-        m.state.skipped_steps += 1
-        m.bad_in_row += 1
-        if m.bad_in_row < m.cfg.train.nan_tolerance:
-            return Event(m.name, m.state.step, "running")
-        if m.state.rollbacks >= 1:
-            return Event(m.name, m.state.step, "diverged")
-        skipped = m.state.skipped_steps
-        m.state = ckpt.restore(m.last_good, self.model, m.optimizer, m.scheduler, m.scaler, adapter=m.name)
-        m.state.rollbacks, m.state.skipped_steps, m.state.lr_scale = 1, skipped, m.state.lr_scale * 0.5
-        m.lr_scale[0] = m.state.lr_scale
-        m.bad_in_row = 0
-        return Event(m.name, m.state.step, "running")
+        if verdict == "rollback":
+            m.state = roll_back(m.last_good, m.state, m.lr_scale, self.model, m.optimizer, m.scheduler, m.scaler,
+                                adapter=m.name)  # fmt: skip
+        return Event(m.name, m.state.step, "diverged" if verdict == "diverged" else "running")
 
     def _next_rows(self, m: Member, position: tuple[int, int]) -> tuple[list[dict], tuple[int, int]]:
         """Member ``m``'s next micro-batch of this worker's rows after ``position`` (epoch, rows read by all workers)."""
@@ -464,7 +443,7 @@ class Group:
         causal_lm = self.model.get_base_model()
         amp = self.backend.amp_dtype
         losses = {}
-        with torch.autocast(self.backend.name, dtype=amp, enabled=amp is not None):
+        with self.backend.autocast():
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
             inputs["cu_seq_lens_q"] = batch["cu_seq_lens"]
             if self.chunked:

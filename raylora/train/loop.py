@@ -38,6 +38,7 @@ from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
 from raylora.train.lm import training_model
 from raylora.train.optim import build_optimizer, build_scheduler
+from raylora.train.policy import NanGuard, due, roll_back, step_metrics
 
 
 def train_worker(config: dict) -> dict:
@@ -69,7 +70,7 @@ def train_worker(config: dict) -> dict:
     optimizer = build_optimizer(model, cfg.train, backend)
     lr_scale = [1.0]
     scheduler = build_scheduler(optimizer, cfg.train, lr_scale)
-    scaler = torch.amp.GradScaler(backend.name, enabled=backend.needs_grad_scaler)
+    scaler = backend.grad_scaler()
     state = TrainState()
     train = cfg.train
     restored = ray.train.get_checkpoint()
@@ -120,7 +121,7 @@ def train_worker(config: dict) -> dict:
     if profiler is not None:
         profiler.start()
 
-    bad_in_row = 0
+    guard = NanGuard(train.nan_tolerance)
     tokens_seen, started = 0, time.perf_counter()
     tokens_before = ckpt.tokens_trained(state)
     comm_bytes, comm_steps = 0, 0
@@ -149,48 +150,37 @@ def train_worker(config: dict) -> dict:
             if profiler.step_num >= PROFILE_STEPS:
                 profiler.stop()
                 profiler = None
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        verdict = guard.verdict(loss, grad_norm, state)
+        if verdict != "ok":
             if hook is not None:
                 hook.forget()
-            state.skipped_steps += 1
-            bad_in_row += 1
-            if bad_in_row < train.nan_tolerance:
-                continue
-            if state.rollbacks >= 1:
+            if verdict == "diverged":
                 return outcome("diverged", state, resumed_from)
-            skipped = state.skipped_steps
-            state = ckpt.restore(last_good, model, optimizer, scheduler, scaler)
-            state.rollbacks, state.skipped_steps, state.lr_scale = 1, skipped, state.lr_scale * 0.5
-            lr_scale[0] = state.lr_scale
-            bad_in_row = 0
-            if rank == 0:
-                say(
-                    f"{train.nan_tolerance} non-finite steps in a row: rolled back to step {state.step}, lr x{state.lr_scale}"
-                )
+            if verdict == "rollback":
+                state = roll_back(last_good, state, lr_scale, model, optimizer, scheduler, scaler)
+                if rank == 0:
+                    say(
+                        f"{train.nan_tolerance} non-finite steps in a row: rolled back to step {state.step}, lr x{state.lr_scale}"
+                    )
             continue
-        bad_in_row = 0
         state.step += 1
         tokens_seen += tokens
-        final = state.step == train.max_steps
-        evaluate_now = final or (train.eval_every and state.step % train.eval_every == 0)
-        save_now = final or (train.checkpoint_every and state.step % train.checkpoint_every == 0)
-        if not (final or evaluate_now or save_now or state.step % train.log_every == 0):
+        when = due(state.step, train)
+        if not when.log:
             continue
         elapsed = time.perf_counter() - started
-        metrics = {
-            "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-            "tokens_per_s": tokens_seen / elapsed, "tokens": tokens_before + tokens_seen, "peak_memory_mb": backend.peak_memory_mb(), "skipped_steps": state.skipped_steps,
-        }  # fmt: skip
+        lr = scheduler.get_last_lr()[0]
+        metrics = step_metrics(loss, lr, grad_norm, tokens_seen, elapsed, tokens_before, backend, state)
         if hook is not None:
             metrics["comm_bytes_per_step"] = comm_bytes / comm_steps
             comm_bytes, comm_steps = 0, 0
             metrics.update(overlap)
             overlap = {}
-        if evaluate_now and eval_shard is not None:
+        if when.evaluate and eval_shard is not None:
             metrics.update(
                 evaluate(loss_model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
             )
-        if final and not adapter_is_finite(model):
+        if when.final and not adapter_is_finite(model):
             return outcome("diverged", state, resumed_from)
         state.history.append({"step": state.step, **metrics})
         if rank == 0:
@@ -201,15 +191,15 @@ def train_worker(config: dict) -> dict:
             )
             if log_metrics:
                 log_metrics(metrics, state.step)
-        report = {**metrics, "step": state.step, "resumed_from": resumed_from, "done": int(final)}
+        report = {**metrics, "step": state.step, "resumed_from": resumed_from, "done": int(when.final)}
         every = config["report_every"]
-        if not (save_now or evaluate_now or (every and state.step % every == 0)):
+        if not (when.save or when.evaluate or (every and state.step % every == 0)):
             continue  # a report waits for Ray Train's controller to take the last one (one every 2 s)
-        if save_now:
+        if when.save:
             state.lr_scale = lr_scale[0]
             last_good = ckpt.snapshot(model, optimizer, scheduler, scaler, state)
         # Every rank's hook state differs (residuals, PowerSGD's errors): each rank adds its own file.
-        with checkpoint_dir(save_now and (rank == 0 or hook is not None)) as folder:
+        with checkpoint_dir(when.save and (rank == 0 or hook is not None)) as folder:
             if folder is not None:
                 if rank == 0:
                     ckpt.save(folder, model, optimizer, scheduler, scaler, state, cfg)
@@ -349,7 +339,7 @@ def train_step(
     for k, batch in enumerate(micro):
         sync = k == train.grad_accum - 1 or world == 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
-            with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
+            with backend.autocast():
                 loss_sum = ddp(**batch)
             scaler.scale(loss_sum * scale).backward()
         total += loss_sum.detach().float()
@@ -375,7 +365,7 @@ def evaluate(model, shard, batch_size: int, pad_id: int, mask_dtype, backend: Ba
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
         tensors = {k: v.to(device) for k, v in collate_packs(batch.to_pylist(), pad_id, mask_dtype).items()}
-        with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
+        with backend.autocast():
             loss_sum = model(**tensors)
         targets = (tensors["labels"][:, 1:] != IGNORE_INDEX).sum()
         total += torch.stack([loss_sum.double(), targets.double()])

@@ -24,6 +24,7 @@ from raylora.data.pipeline import gather_side
 from raylora.data.read import first_row, iter_blocks
 from raylora.data.sources import DataError, plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, worker_spec
+from raylora.generation import generate
 from raylora.models import attach_lora, load_model
 from raylora.train.lm import training_model
 from raylora.train.loop import train_step
@@ -61,7 +62,7 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
     losses, tokens, seconds = train_steps(model, packs, tokenizer.pad_token_id, cfg, backend, log)
     model.save_pretrained(out / "adapter", save_embedding_layers=False)  # see raylora.train.checkpoint's SAVE_NOTE
     # training stored the frozen weights in the autocast dtype (raylora.train.lm.store_frozen_linears)
-    with torch.autocast(backend.name, dtype=backend.amp_dtype, enabled=backend.amp_dtype is not None):
+    with backend.autocast():
         after = generate(model, tokenizer, question, device)
     summary = {
         "losses": losses,
@@ -106,7 +107,7 @@ def train_steps(
     log("training path: " + "; ".join(notes))
     optimizer = build_optimizer(model, train, backend)
     scheduler = build_scheduler(optimizer, train, [1.0])
-    scaler = torch.amp.GradScaler(backend.name, enabled=backend.needs_grad_scaler)
+    scaler = backend.grad_scaler()
     device = backend.torch_device()
     losses, tokens = [], 0
     model.train()
@@ -134,21 +135,3 @@ def shuffled(packs: list[dict], batch_size: int, seed: int) -> Iterator[tuple[li
         while len(pool) < batch_size:
             pool += order.sample(packs, len(packs))
         yield [pool.pop() for _ in range(batch_size)], (0, 0)
-
-
-def generate(model, tokenizer, messages: list[dict], device: torch.device, max_new_tokens: int = 48) -> str:
-    """Greedy answer to a conversation, decoded without special tokens."""
-    return answer(model, tokenizer, messages, device, max_new_tokens)[0]
-
-
-@torch.no_grad()
-def answer(model, tokenizer, messages: list[dict], device: torch.device, max_new_tokens: int) -> tuple[str, int]:
-    """Greedy answer to a conversation: its text (without special tokens) and the number of tokens generated."""
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    output = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    new = output[0, inputs["input_ids"].shape[1] :]
-    return tokenizer.decode(new, skip_special_tokens=True).strip(), int(new.numel())

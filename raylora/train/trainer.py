@@ -40,7 +40,7 @@ def build_trainer(
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raylora.backends import worker_plan
+    from raylora.backends import store_timeout_s, worker_plan
 
     dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     packs = {name: d for name, d in datasets.items() if isinstance(d, Packs)}
@@ -54,8 +54,7 @@ def build_trainer(
             "datasets": sorted(datasets),
             "report_every": report_every,
         },
-        # the ranks' store waits as long as HCCL may take to connect (Ray's default: 1800 s)
-        torch_config=TorchConfig(backend=dist_backend, timeout_s=max(1800, cfg.backend.hccl_connect_timeout)),
+        torch_config=TorchConfig(backend=dist_backend, timeout_s=store_timeout_s(env)),
         scaling_config=ScalingConfig(**scaling),
         run_config=RunConfig(**run_config, worker_runtime_env={"env_vars": env} if env else None),
         datasets={name: d for name, d in datasets.items() if name not in packs},
@@ -93,16 +92,6 @@ def check_outcome(result, cfg: JobConfig) -> dict[str, Any]:
             f"(lora.rank={cfg.lora.rank}, lora.alpha={cfg.lora.alpha})."
         )
     return outcome
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value and prefix == "":
-            flat.update(flatten(value, f"{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _train_worker(config: dict) -> dict:

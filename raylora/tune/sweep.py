@@ -36,8 +36,10 @@ from raylora.cluster import ensure_ray, sigterm_stops
 from raylora.config import ConfigError, JobConfig, from_dict, to_dict, to_record
 from raylora.data.pipeline import DataError, training_data
 from raylora.data.sources import plan_sources
-from raylora.tracking import check_reachable, finish_run, start_run, tracking_uri
-from raylora.train.fit import TrainingError, check_enough, datasets, flatten, save_outputs
+from raylora.runs import flatten, parent_run
+from raylora.tracking import check_reachable, finish_run, tracking_uri
+from raylora.train import group_worker
+from raylora.train.fit import TrainingError, check_enough, datasets, save_outputs
 from raylora.tune import groups, space
 from raylora.tune.trial import run_trial, trial_config
 
@@ -96,13 +98,13 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         (out / "sweep_config.json").write_text(json.dumps(_settings(cfg), indent=1))
-    parent = _parent_run(cfg, out, resume)
+    parent = parent_run(cfg, out, resume)
     callbacks = [_release_stopped_callback(out)]
     group_broker = None
     if cfg.tune.trials_per_group > 1:
         slots = at_once
         group_count, at_once = groups.plan(cfg, slots)
-        group_broker = groups.start(cfg, data, group_count)
+        group_broker = group_worker.start(cfg, data, group_count)
         callbacks.append(groups.leave_callback(cfg))
         trainable = tune.with_parameters(groups.run_member, job=to_dict(cfg), parent=parent, broker=group_broker)
         layout = f", {group_count} group(s) of up to {cfg.tune.trials_per_group} trials sharing a base"
@@ -149,7 +151,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
         raise stopped_by_signal from None
     finally:
         if group_broker is not None:
-            groups.stop(group_broker)
+            group_worker.stop(group_broker)
     if stopped and len(_completed_trials(cfg, out)) < space.trial_count(cfg.tune):
         # the trials Tune ended are not "stopped early" (nor are ASHA's told apart here): --resume runs them on
         finish_run(cfg.tracking, parent, [], "KILLED")
@@ -360,23 +362,6 @@ def _check_parent(cfg: JobConfig, out: Path) -> None:
                               "the sweep again in another train.output_dir")],
             "the sweep",
         )  # fmt: skip
-
-
-def _parent_run(cfg: JobConfig, out: Path, resume: bool) -> str | None:
-    """The sweep's MLflow parent run (reopened on resume): the base job's params and the search space."""
-    if not cfg.tracking.enabled:
-        return None
-    saved = out / "sweep.json"
-    if resume and saved.exists():
-        import mlflow
-
-        run_id = json.loads(saved.read_text())["parent_run_id"]
-        mlflow.MlflowClient(tracking_uri(cfg.tracking)).update_run(run_id, status="RUNNING")
-        return run_id
-    params = {**flatten(to_record(cfg)), **{f"space.{k}": v for k, v in cfg.tune.space.items()}}
-    run_id = start_run(cfg.tracking, f"{out.name} sweep", params, tags={"raylora.sweep": "parent"})
-    saved.write_text(json.dumps({"parent_run_id": run_id}))
-    return run_id
 
 
 def _searcher(cfg: JobConfig, at_once: int):

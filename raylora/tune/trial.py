@@ -2,21 +2,20 @@
 
 That process only drives the run, so it imports no model or data stack (see :mod:`raylora.train.trainer`);
 a grouped trial's process (:func:`raylora.tune.groups.run_member`) uses :func:`trial_config` and
-:func:`child_run` from here too.
+:func:`raylora.runs.child_run` too.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from raylora.config import JobConfig, from_dict, to_record
-from raylora.tracking import finish_run, start_run
+from raylora.config import JobConfig, from_dict
+from raylora.runs import child_run
 from raylora.train.checkpoint import drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
-from raylora.train.trainer import TrainingError, build_trainer, check_outcome, flatten, run_settings
+from raylora.train.trainer import TrainingError, build_trainer, check_outcome, run_settings
 from raylora.tune import space
 
 
@@ -68,30 +67,3 @@ def _metric_reports(metric: str):
                 super().after_report(run_context, [{metric: metrics[0][metric], **metrics[0]}, *metrics[1:]], None)
 
     return MetricReports()
-
-
-def child_run(
-    cfg: JobConfig, out: Path, parent: str | None, trial_id: str, values: dict[str, Any], resumes: bool
-) -> str | None:
-    """The trial's MLflow child run: created once, and found again in ``out/mlflow_run.json`` when the trial
-    ``resumes`` from a checkpoint. A trial that trains again from step 0 (stopped before its first checkpoint) gets a
-    new child run, tagged ``raylora.replaces_run``, whose curve does not repeat the steps of the one it replaces
-    (closed as KILLED)."""
-    if parent is None:
-        return None
-    saved = out / "mlflow_run.json"
-    tags = {"mlflow.parentRunId": parent, "raylora.trial": trial_id}
-    if saved.exists():
-        earlier = json.loads(saved.read_text())["run_id"]
-        if resumes:
-            return earlier
-        finish_run(cfg.tracking, earlier, [], "KILLED")
-        tags["raylora.replaces_run"] = earlier
-    label = " ".join(f"{k.split('.')[-1]}={_short(v)}" for k, v in values.items())
-    run_id = start_run(cfg.tracking, f"{trial_id} {label}", flatten(to_record(cfg)), tags=tags)
-    saved.write_text(json.dumps({"run_id": run_id}))
-    return run_id
-
-
-def _short(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)

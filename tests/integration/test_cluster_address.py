@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 
 from raylora.cluster import stop_cluster
-from raylora.serve.launch import free_port
+from raylora.ports import free_port
 
 SCRIPT = """
 from raylora.cluster import ensure_ray

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlflow
 
 from raylora.cluster import stop_cluster
-from raylora.serve.launch import free_port
+from raylora.ports import free_port
 
 BIN = Path(sys.executable).parent
 STAGES = ("prepare", "before", "train", "sweep", "serve", "report")

@@ -25,8 +25,9 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation, parse_tool_calls
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
+from raylora.ports import free_port
 from raylora.registry import register
-from raylora.serve.launch import APP_NAME, free_port, redeploys, start
+from raylora.serve.launch import APP_NAME, redeploys, start
 from raylora.tracking import experiment_id
 
 KEY, ADMIN = "sk-test-key", "admin-test-key"

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from raylora.serve.launch import free_port, port_holder
+from raylora.ports import free_port, port_holder
 
 RAYLORA = str(Path(sys.executable).with_name("raylora"))
 

@@ -5,9 +5,9 @@ import torch
 
 from raylora import model_files
 from raylora.config import ModelArgs
+from raylora.generation import generate
 from raylora.model_files import SMOLLM2, cache_root, check_cache
 from raylora.models import load_model
-from raylora.train.quickstart import generate
 
 pytestmark = pytest.mark.slow
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"

@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster
 
 from raylora.cluster import stop_cluster
 from raylora.config import load_config
-from raylora.serve.launch import free_port
+from raylora.ports import free_port
 from raylora.train.fit import fit
 
 BIN = Path(sys.executable).parent

@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from raylora.backends import Backend, BackendError, cpu, cuda, npu, resolve_backend
-from raylora.config import BackendArgs
+from raylora.backends import Backend, BackendError, cpu, cuda, npu, resolve_backend, store_timeout_s
+from raylora.config import BackendArgs, HcclArgs
 
 # the HCCL variables CANN documents that raylora may set (HCCL_ALGO is real but must stay unset)
 DOCUMENTED = {"HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME"}
@@ -151,7 +151,7 @@ def test_bf16_on_910a_is_refused(fake_npu):
 def test_hccl_env_holds_only_documented_variables(fake_npu):
     fake_npu("Ascend910B3")
     args = BackendArgs(
-        device="npu", hccl_connect_timeout=600, hccl_buffsize=400, hccl_if_ip="10.0.0.2", hccl_exec_timeout=1200
+        device="npu", hccl=HcclArgs(connect_timeout=600, buffsize=400, if_ip="10.0.0.2", exec_timeout=1200)
     )
     env = resolve_backend(args).env
     assert env == {
@@ -168,8 +168,11 @@ def test_hccl_variables_the_config_leaves_unset_are_left_to_the_environment(monk
     """Review: raylora's default connect timeout overrode the one the environment set."""
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "900")
     monkeypatch.setenv("HCCL_IF_IP", "10.0.0.7")  # a node's own: never sent from here unless the config sets it
-    assert npu.hccl_env(BackendArgs(hccl_buffsize=400)) == {"HCCL_CONNECT_TIMEOUT": "900", "HCCL_BUFFSIZE": "400"}
-    explicit = BackendArgs(hccl_connect_timeout=600, hccl_if_ip="10.0.0.2")  # what the config sets wins
+    assert npu.hccl_env(BackendArgs(hccl=HcclArgs(buffsize=400))) == {
+        "HCCL_CONNECT_TIMEOUT": "900",
+        "HCCL_BUFFSIZE": "400",
+    }
+    explicit = BackendArgs(hccl=HcclArgs(connect_timeout=600, if_ip="10.0.0.2"))  # what the config sets wins
     assert npu.hccl_env(explicit) == {"HCCL_CONNECT_TIMEOUT": "600", "HCCL_IF_IP": "10.0.0.2"}
 
 
@@ -235,7 +238,7 @@ def test_collectives_without_bf16_say_why(fake_npu, monkeypatch):
 def test_the_planned_backend_needs_no_device_and_leaves_the_soc_check_to_the_worker():
     from raylora.backends import planned_backend, worker_plan
 
-    plan = planned_backend(BackendArgs(device="npu", hccl_buffsize=400))
+    plan = planned_backend(BackendArgs(device="npu", hccl=HcclArgs(buffsize=400)))
     assert (plan.name, plan.detected_by, plan.dist_backend, plan.ray_resource) == ("npu", "planned", "hccl", "NPU")
     assert plan.env == {"HCCL_CONNECT_TIMEOUT": "1800", "HCCL_BUFFSIZE": "400"}
     assert plan.collective_problem(torch.bfloat16) is None
@@ -345,3 +348,37 @@ def test_a_hook_the_collectives_cannot_carry_is_refused_before_any_worker_starts
     monkeypatch.setattr(fit_module, "ensure_ray", lambda: pytest.fail("the cluster was touched"))
     with pytest.raises(ConfigError, match="backend.device: train.comm_hook=bf16"):  # listed with the empty sources
         fit_module.fit(cfg)
+
+
+def _backend(name, amp, scaler):
+    return Backend(name, "test", "gloo", name.upper(), None, amp, scaler)
+
+
+def test_autocast_comes_from_the_backend_and_is_off_in_fp32():
+    with _backend("cpu", torch.bfloat16, False).autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with _backend("cpu", None, False).autocast():
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_grad_scaler_is_torch_npus_own_on_an_fp16_npu_and_torchs_elsewhere(monkeypatch):
+    class NpuScaler(torch.amp.GradScaler):
+        def __init__(self, enabled):
+            self.made_with = enabled
+
+    amp = type(sys)("torch_npu.npu.amp")
+    amp.GradScaler = NpuScaler
+    for name, module in {"torch_npu": type(sys)("torch_npu"), "torch_npu.npu": type(sys)("torch_npu.npu"),
+                         "torch_npu.npu.amp": amp}.items():  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+    scaler = _backend("npu", torch.float16, True).grad_scaler()
+    assert isinstance(scaler, NpuScaler) and scaler.made_with is True
+    cpu_scaler = _backend("cpu", torch.bfloat16, False).grad_scaler()
+    assert type(cpu_scaler) is torch.amp.GradScaler and not cpu_scaler.is_enabled()
+
+
+def test_the_ranks_store_waits_as_long_as_hccl_may_take_to_connect():
+    assert store_timeout_s({}) == 1800  # Ray's default
+    assert store_timeout_s({"HCCL_CONNECT_TIMEOUT": "3600"}) == 3600
+    assert store_timeout_s({"HCCL_CONNECT_TIMEOUT": "600"}) == 1800

@@ -36,14 +36,14 @@ def test_full_file_round_trips(tmp_path):
 data: {sources: [{path: a.jsonl}, {path: b.json, format: alpaca}], cutoff_len: 64, placeholders: {name: Bob}}
 lora: {rank: 4, target_modules: [q_proj, v_proj], use_dora: true}
 train: {lr: 1e-4, max_steps: 3}
-backend: {hccl_buffsize: 400}
+backend: {hccl: {buffsize: 400}}
 """,
         )
     )
     assert cfg.data.sources == [SourceArgs("a.jsonl"), SourceArgs("b.json", "alpaca")]
     assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
     assert cfg.lora == LoraArgs(rank=4, target_modules=["q_proj", "v_proj"], use_dora=True)
-    assert cfg.backend.hccl_buffsize == 400
+    assert cfg.backend.hccl.buffsize == 400
     assert from_dict(to_dict(cfg)) == cfg
 
 
@@ -92,12 +92,12 @@ def test_unknown_section_and_choice_suggest_nearest(tmp_path):
 def test_bad_overrides_join_the_file_problems(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(
-            write(tmp_path, "lora: {rank: 0}\n"), ["train.lr", "train.lrr=1", "backend.hccl_connect_timeout=60"]
+            write(tmp_path, "lora: {rank: 0}\n"), ["train.lr", "train.lrr=1", "backend.hccl.connect_timeout=60"]
         )
     paths = [p for p, _ in err.value.problems]
-    assert paths == ["train.lr", "lora.rank", "train.lrr", "backend.hccl_connect_timeout"]
+    assert paths == ["train.lr", "lora.rank", "train.lrr", "backend.hccl.connect_timeout"]
     assert "did you mean 'lr'" in dict(err.value.problems)["train.lrr"]
-    assert "≥ 120 and ≤ 7200" in dict(err.value.problems)["backend.hccl_connect_timeout"]
+    assert "≥ 120 and ≤ 7200" in dict(err.value.problems)["backend.hccl.connect_timeout"]
 
 
 def test_list_items_and_nested_sections_are_checked(tmp_path):
@@ -126,9 +126,14 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 def test_every_field_is_documented_in_the_reference():
     table = reference_markdown()
-    for section in dataclasses.fields(JobConfig):
-        for f in dataclasses.fields(section.default_factory()):
-            assert f"`{section.name}.{f.name}`" in table
+
+    def keys(value, prefix):
+        for f in dataclasses.fields(value):
+            inner = getattr(value, f.name)
+            yield from keys(inner, f"{prefix}{f.name}.") if dataclasses.is_dataclass(inner) else [f"{prefix}{f.name}"]
+
+    for key in keys(JobConfig(), ""):
+        assert f"`{key}`" in table
 
 
 def test_names_from_hugging_face_and_llama_factory_point_at_ours(tmp_path):
@@ -194,3 +199,11 @@ def test_overrides_index_into_lists(tmp_path):
         "data.sources.first.path": "data.sources is a list with indexes 0-1; 'first' is not one of them",
         "lora.target_modules.-1": "lora.target_modules is a list with indexes 0-1; '-1' is not one of them",
     }
+
+
+def test_the_old_hccl_keys_are_refused_naming_their_new_place(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "backend: {hccl_connect_timeout: 600}\n"), ["backend.hccl_socket_ifname=enp"])
+    problems = dict(err.value.problems)
+    assert problems["backend.hccl_connect_timeout"] == "renamed: write backend.hccl.connect_timeout instead"
+    assert problems["backend.hccl_socket_ifname"] == "renamed: write backend.hccl.socket_ifname instead"

@@ -2,7 +2,7 @@
 
 import socket
 
-from raylora.serve.launch import free_port
+from raylora.ports import free_port
 
 
 def test_ports_are_bindable_distinct_and_below_the_ephemeral_range():

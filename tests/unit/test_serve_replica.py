@@ -88,10 +88,9 @@ def test_an_adapter_loaded_again_while_its_unload_is_queued_stays(replica):
     server, ids, expected = replica
     held = asyncio.run(server._load("a"))
     held.__del__()  # evicted: its collection is queued on the engine thread ...
-    server._pinned["a"] += 1  # ... while a request for it arrives and Serve loads it again
-    again = asyncio.run(server._load("a"))
-    server._pinned["a"] -= 1
-    server._collect_soon()
+    with server.bank.pinned("a"):  # ... while a request for it arrives and Serve loads it again
+        again = asyncio.run(server._load("a"))
+    server.bank.collect_soon()
     server.engine.call(lambda: None).result(10)
     assert server.info()["adapters"] == ["a"]
     assert _answer(server, ids, "a") == expected["a"]

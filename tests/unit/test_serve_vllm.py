@@ -297,3 +297,17 @@ def test_rays_llm_server_still_takes_the_injected_loader():
         n for n in ast.walk(loader) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "model_downloader_cls"
     ]
     assert [sorted(k.arg for k in c.keywords) for c in calls] == [["download_timeout_s", "max_tries"]]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("engine_threads", 1), ("batch_wait_ms", 1.0), ("max_prefill_tokens", 128), ("max_prompt_tokens", 100),
+     ("adapter_group_size", 64), ("smoothquant_alpha", 0.8), ("calibration_rows", 8)],
+)  # fmt: skip
+def test_keys_only_the_hf_engine_reads_are_refused_under_vllm_with_the_reason(job, key, value):
+    assert getattr(job.serve, key) != value
+    setattr(job.serve, key, value)
+    problems = check_vllm_config(job, on("cuda"))
+    assert f"serve.{key}={value}: only serve.engine=hf reads it, so vLLM would silently ignore it" in "\n".join(
+        problems
+    )

@@ -5,6 +5,7 @@ import json
 import pytest
 from peft import LoraConfig, get_peft_model
 
+from raylora import runs
 from raylora.config import load_config, to_dict
 from raylora.models import tiny_model
 from raylora.train import fit as fit_module
@@ -33,7 +34,7 @@ def test_a_finished_job_rerun_trains_nothing_and_records_no_run(tmp_path, monkey
     _checkpoint(out, "checkpoint_2026-01-01_00-00-01", 4, cfg, cfg.lora.rank)
     _checkpoint(out, "checkpoint_2026-01-01_00-00-02", 6, cfg, cfg.lora.rank)
     monkeypatch.setattr(fit_module, "ensure_ray", lambda: pytest.fail("the cluster was touched"))
-    monkeypatch.setattr(fit_module, "start_run", lambda *a: pytest.fail("an MLflow run was opened"))
+    monkeypatch.setattr(runs, "start_run", lambda *a: pytest.fail("an MLflow run was opened"))
     said = []
     result = fit_module.fit(cfg, log=said.append)
     assert result["steps"] == 6 and result["run_id"] is None and result["loss"] == pytest.approx(4.4)
@@ -60,19 +61,19 @@ def test_a_resumed_job_continues_its_mlflow_run_or_links_a_new_one(tmp_path):
     cfg = _config(tmp_path, "train.max_steps=6", "tracking.enabled=true", f"tracking.uri={uri}")
     out = tmp_path / "run"
     out.mkdir()
-    first = fit_module.job_run(cfg, out)  # nothing to resume: a new run
+    first = runs.job_run(cfg, out)  # nothing to resume: a new run
     client = mlflow.MlflowClient(uri)
     client.set_terminated(first, "FAILED")  # the driver died
     _checkpoint(out, "checkpoint_2026-01-01_00-00-01", 4, cfg, cfg.lora.rank)
-    assert fit_module.job_run(cfg, out) == first  # the same settings resume the same run
+    assert runs.job_run(cfg, out) == first  # the same settings resume the same run
     assert client.get_run(first).info.status == "RUNNING"
     more = _config(tmp_path, "train.max_steps=8", "tracking.enabled=true", f"tracking.uri={uri}")
-    second = fit_module.job_run(more, out)  # other settings: a new run that names the one it continues
+    second = runs.job_run(more, out)  # other settings: a new run that names the one it continues
     assert second != first and client.get_run(second).data.tags["raylora.continues_run"] == first
     assert client.get_run(second).data.params["train.max_steps"] == "8"
-    assert fit_module.job_run(more, out) == second
+    assert runs.job_run(more, out) == second
     client.delete_run(second)  # deleted in the MLflow UI: a new run, not a failed reopen
-    third = fit_module.job_run(more, out)
+    third = runs.job_run(more, out)
     assert third not in (first, second) and client.get_run(third).info.status == "RUNNING"
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from raylora.config import ConfigError, load_config
+from raylora.train import group_broker
 from raylora.tune import groups, space
 from raylora.tune.sweep import sweep
 
@@ -57,7 +58,7 @@ def test_the_broker_fills_the_emptiest_group_first():
     import asyncio
 
     async def place(trials: int) -> list[int]:
-        broker = groups.Broker(groups=2, per_group=4)
+        broker = group_broker.Broker(groups=2, per_group=4)
         return [(await broker.join(f"t{i}", {}, "", None, {}, None))["group"] for i in range(trials)]
 
     assert asyncio.run(place(6)) == [0, 1, 0, 1, 0, 1]
@@ -110,7 +111,7 @@ def test_a_failed_group_starts_anew_once_and_its_members_join_from_their_checkpo
     import asyncio
 
     async def scenario() -> tuple[list, list, dict, list, str]:
-        broker = groups.Broker(groups=1, per_group=2, restarts=1)
+        broker = group_broker.Broker(groups=1, per_group=2, restarts=1)
         first = [await broker.join(t, {}, "", None, {}, None) for t in ("t0", "t1")]
         again = [await broker.rejoin("t0", 0, 0, "t0/checkpoint_4"), await broker.rejoin("t1", 0, 0, "t1/checkpoint_6")]
         stale = await broker.exchange(0, 0, [("t0", {"step": 9})], set(), idle=False)
@@ -130,7 +131,7 @@ def test_a_group_with_no_restart_left_fails_its_trials_and_the_others_go_on():
     import asyncio
 
     async def scenario() -> tuple[list[int], str, int]:
-        broker = groups.Broker(groups=2, per_group=4)
+        broker = group_broker.Broker(groups=2, per_group=4)
         placed = [(await broker.join(t, {}, "", None, {}, None))["group"] for t in ("t0", "t1")]
         with pytest.raises(RuntimeError) as e:
             await broker.rejoin("t0", 0, 0, "t0/checkpoint_2")
@@ -145,7 +146,7 @@ def test_a_next_report_left_waiting_ends_when_its_trial_joins_again():
     import asyncio
 
     async def scenario() -> tuple[object, dict]:
-        broker = groups.Broker(groups=1, per_group=2, restarts=1)
+        broker = group_broker.Broker(groups=1, per_group=2, restarts=1)
         await broker.join("t0", {}, "", None, {}, None)
         old = asyncio.ensure_future(broker.next_report("t0"))
         await asyncio.sleep(0)
@@ -164,7 +165,7 @@ def test_members_tune_lets_go_on_a_moment_apart_step_together():
     import time
 
     async def scenario() -> tuple[set, set, float]:
-        broker = groups.Broker(groups=1, per_group=3)
+        broker = group_broker.Broker(groups=1, per_group=3)
         for t in ("t0", "t1", "t2"):
             await broker.join(t, {}, "", None, {}, None)
         await broker.exchange(0, 0, [], set(), idle=True)  # the group takes the joins
@@ -188,14 +189,14 @@ def test_members_tune_lets_go_on_a_moment_apart_step_together():
 
     both, late, waited, again = asyncio.run(scenario())
     assert both == {"t0", "t1", "t2"}  # t2 was not held: its trial waits for a report
-    assert late == {"t0", "t1"} and groups.HOLD_GRACE <= waited < groups.HOLD_GRACE + 0.5 and again < 0.1
+    assert late == {"t0", "t1"} and group_broker.HOLD_GRACE <= waited < group_broker.HOLD_GRACE + 0.5 and again < 0.1
 
 
 def test_a_waiting_exchange_of_a_group_started_anew_meanwhile_takes_none_of_the_new_joins():
     import asyncio
 
     async def scenario() -> tuple[dict, list]:
-        broker = groups.Broker(groups=1, per_group=2, restarts=1)
+        broker = group_broker.Broker(groups=1, per_group=2, restarts=1)
         await broker.join("t0", {}, "", None, {}, None)
         await broker.exchange(0, 0, [], set(), idle=True)
         old = asyncio.ensure_future(broker.exchange(0, 0, [("t0", {"eval_loss": 1.0})], {"t0"}, idle=True))

@@ -34,7 +34,7 @@ def test_resume_against_another_mlflow_store_is_refused_before_ray(tmp_path, roo
 def test_a_trial_restarting_from_step_0_gets_a_new_child_run(tmp_path, root, monkeypatch):
     """Found by use: a trial stopped before its first checkpoint trained again from step 0 into the same child run,
     whose curves then repeated steps 2, 4, 6."""
-    from raylora.tune.trial import child_run
+    from raylora.runs import child_run
 
     monkeypatch.chdir(root)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -54,7 +54,7 @@ def test_resume_with_other_settings_is_refused_before_ray(tmp_path, root, monkey
     """Found by use: --resume without the sweep's overrides trained new trials for another budget, called the
     interrupted ones completed, and picked a best across them."""
     from raylora.config import to_record
-    from raylora.train.fit import flatten
+    from raylora.runs import flatten
 
     monkeypatch.chdir(root)
 

@@ -1,0 +1,55 @@
+"""The training policy both a Ray Train worker and a shared-base group member follow (raylora.train.policy)."""
+
+import math
+
+import pyarrow as pa
+import pytest
+
+from raylora.config import LoraArgs, TrainArgs, from_dict
+from raylora.data.packs import PackShard
+from raylora.models import attach_lora, tiny_model
+from raylora.train.checkpoint import TrainState
+from raylora.train.group import Group
+from raylora.train.policy import NanGuard, due
+
+NAN = math.nan
+
+
+def test_the_guard_skips_rolls_back_once_then_says_diverged():
+    guard, state = NanGuard(tolerance=2), TrainState()
+    verdicts = [guard.verdict(loss, 1.0, state) for loss in (1.0, NAN, 1.0, NAN, NAN)]
+    assert verdicts == ["ok", "skip", "ok", "skip", "rollback"]
+    state.rollbacks = 1  # what roll_back records
+    assert [guard.verdict(NAN, 1.0, state) for _ in range(2)] == ["skip", "diverged"]
+    assert state.skipped_steps == 5
+    assert NanGuard(1).verdict(1.0, math.inf, TrainState()) == "rollback"  # an infinite gradient norm counts too
+
+
+def test_the_cadence_logs_evaluates_and_saves_on_its_steps_and_always_on_the_last():
+    train = TrainArgs(max_steps=10, log_every=3, eval_every=4, checkpoint_every=5)
+    seen = {step: due(step, train) for step in range(1, 11)}
+    assert [s for s, d in seen.items() if d.log] == [3, 4, 5, 6, 8, 9, 10]
+    assert [s for s, d in seen.items() if d.evaluate] == [4, 8, 10]
+    assert [s for s, d in seen.items() if d.save] == [5, 10]
+    assert [s for s, d in seen.items() if d.final] == [10]
+    assert not any(due(s, TrainArgs(max_steps=10, log_every=20)).log for s in range(1, 10))
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        {"rank": 4, "alpha": 32.0, "dropout": 0.1, "use_rslora": True, "target_modules": ["mlp"]},
+        {"rank": 8, "alpha": 8.0, "dropout": 0.0, "use_rslora": False, "target_modules": ["attention", "gate_proj"]},
+        {"rank": 2, "alpha": 4.0, "dropout": 0.05, "use_rslora": True, "target_modules": ["all-linear"]},
+    ],
+)
+def test_a_group_member_trains_with_the_lora_config_of_the_same_run_alone(lora):
+    cfg = from_dict({"model": {"name_or_path": "tiny-llama"}, "data": {"cutoff_len": 16}, "lora": lora,
+                     "backend": {"device": "cpu", "precision": "fp32"}, "tracking": {"enabled": False}})  # fmt: skip
+    alone = attach_lora(tiny_model("llama"), LoraArgs(**lora)).peft_config["default"].to_dict()
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 2], "seq_lens": [3],
+             "num_tokens": 3}] * 2  # fmt: skip
+    group = Group(cfg, PackShard(pa.Table.from_pylist(rows)), None, lanes=1)
+    group.join("member", cfg)
+    grouped = group.model.peft_config["member"].to_dict()
+    assert grouped == alone
