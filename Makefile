@@ -48,6 +48,7 @@ bench: install
 	$(PY) bench/quant.py
 	$(PY) bench/serve.py
 	$(PY) bench/train_throughput.py
+	$(PY) bench/cpus_per_worker.py
 	$(PY) bench/lora_dropout.py
 	$(PY) bench/linear_ce.py
 	$(PY) bench/ray_helpers.py

@@ -1,7 +1,7 @@
 """CPUs per training worker when ``train.cpus_per_worker`` is unset: the workers share what the cluster has free.
 
-A worker's torch threads follow its CPUs, so a lone worker held to one CPU on a 2-core machine trained at 214
-tokens/s where two threads reach 331 (SmolLM2, issue #34). With the data prepared before training, nothing else needs
+A worker's torch threads follow its CPUs, so a lone worker held to one CPU on a 2-core machine trains at about
+0.7x the speed of two threads (``bench/cpus_per_worker.py``). With the data prepared before training, nothing else needs
 those cores; a streamed pipeline keeps ``reserve`` CPUs for its readers.
 """
 
@@ -21,8 +21,9 @@ def free_share(nodes: list[dict[str, float]], available_cpus: float, workers: in
         device: the resource each worker also takes one of (``"NPU"``, ``"GPU"``), or ``None`` for CPU workers.
         reserve: CPUs left free on the largest node (for a streamed pipeline's read tasks).
     """
-    cpus = sorted((n.get("CPU", 0.0) for n in nodes), reverse=True)
-    devices = [n.get(device, 0.0) if device else math.inf for n in sorted(nodes, key=lambda n: -n.get("CPU", 0.0))]
+    ordered = sorted(nodes, key=lambda n: -n.get("CPU", 0.0))
+    cpus = [n.get("CPU", 0.0) for n in ordered]
+    devices = [n.get(device, 0.0) if device else math.inf for n in ordered]
     if cpus:
         cpus[0] -= reserve
     budget = available_cpus - reserve
