@@ -448,7 +448,8 @@ def _build(cls: type, data: Any, path: str, problems: list[tuple[str, str]]) -> 
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
-            problems.append((_join(path, str(key)), _unknown(str(key), list(fields), _join(path, str(key)))))
+            where = _join(path, str(key))
+            problems.append((where, _unknown(str(key), list(fields), where)))
     kwargs = {}
     for name, f in fields.items():
         if name in data:

@@ -84,9 +84,10 @@ def check_vllm_config(cfg: JobConfig, backend: Backend) -> list[str]:
             f"serve.max_lora_rank={serve.max_lora_rank}: vLLM accepts only "
             f"{', '.join(map(str, VLLM_LORA_RANKS))}; {fix} (the smallest allowed value your adapters fit under)"
         )
+    defaults = ServeArgs()
     for key in HF_ENGINE_KEYS:
         value = getattr(serve, key)
-        if value != getattr(ServeArgs(), key):
+        if value != getattr(defaults, key):
             problems.append(
                 f"serve.{key}={value}: only serve.engine=hf reads it, so vLLM would silently ignore it; unset it, "
                 "or use serve.engine=hf"
