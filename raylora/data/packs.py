@@ -9,6 +9,7 @@ equal share of them. A streamed job (``data.streaming``) still hands Ray Train a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +79,7 @@ class PackShard:
 
     def __init__(self, table, rank: int = 0, world: int = 1):
         self.table, self.rank, self.world = table, rank, world
+        self._indices = functools.lru_cache(maxsize=16)(self.indices)  # a group's members read several epochs
 
     @property
     def num_rows(self) -> int:
@@ -94,6 +96,23 @@ class PackShard:
         count = self.table.num_rows
         order = range(count) if seed is None else epoch_order(count, seed, epoch)
         return list(order[self.rank : self.num_rows * self.world : self.world])
+
+    def batch_after(self, position: tuple[int, int], size: int, seed: int) -> tuple[list[dict], tuple[int, int]]:
+        """The next micro-batch of ``size`` rows after ``position`` in the epochs ``seed`` orders, and its end.
+
+        A position is ``(epoch, rows read in it by all workers)``, what a checkpoint records: a run resumed with
+        another worker count reads on from the same place. An epoch's last rows that fill no micro-batch are
+        left out.
+        Raises:
+            RuntimeError: this worker's share holds fewer than ``size`` rows.
+        """
+        if self.num_rows < size:
+            raise RuntimeError(f"this worker's data shard holds fewer than train.batch_size={size} sequences")
+        epoch, start = position[0], position[1] // self.world
+        if start + size > self.num_rows:
+            epoch, start = epoch + 1, 0
+        rows = self._indices(epoch, seed)[start : start + size]
+        return self.table.take(pa.array(rows, pa.int64())).to_pylist(), (epoch, (start + size) * self.world)
 
     def iter_batches(
         self,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from raylora.config import JobConfig, to_dict
 
@@ -86,6 +87,24 @@ def save_state(folder: Path, optimizer, scheduler, scaler, state: TrainState, cf
     meta = {"model": cfg.model.name_or_path, "lora": {k: to_dict(cfg.lora)[k] for k in LORA_SHAPE}, "step": state.step}
     (folder / "meta.json").write_text(json.dumps(meta, indent=2))
     (folder / "history.json").write_text(json.dumps(state.history))
+
+
+def save_in_run(out: Path, keep: int, model, optimizer, scheduler, scaler, state: TrainState, cfg: JobConfig,
+                adapter: str = "default") -> Path:  # fmt: skip
+    """Write a checkpoint where Ray Train would, ``out/ray/checkpoint_<step>``, for a run Ray Train does not drive
+    (a shared-base group's member), keeping the newest ``keep``; returns its folder. It is written aside and renamed
+    in, so :func:`newest` never finds it half written."""
+    root = out / "ray"
+    folder = root / f"checkpoint_{state.step:06d}"
+    partial = root / f".{folder.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save(partial, model, optimizer, scheduler, scaler, state, cfg, adapter=adapter)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    for old in sorted(root.glob("checkpoint_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return folder
 
 
 def newest(out: Path) -> Path | None:
@@ -156,8 +175,7 @@ def check_compatible(folder: Path, cfg: JobConfig) -> None:
 def load(folder: Path, model, optimizer, scheduler, scaler, adapter: str = "default") -> TrainState:
     """Restore a checkpoint into live objects (its weights into the peft ``model``'s adapter ``adapter``);
     returns its :class:`TrainState`."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
+    from peft import set_peft_model_state_dict  # peft and transformers, 2.8 s: a trial's process never loads them
 
     weights = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
     saved = torch.load(folder / "state.pt", weights_only=False)  # both read before anything changes
@@ -191,7 +209,7 @@ def load_comm(folder: Path, hook, rank: int, world: int) -> str | None:
 
 def snapshot(model, optimizer, scheduler, scaler, state: TrainState, adapter: str = "default") -> dict[str, Any]:
     """An in-memory copy of everything a rollback restores (the last good checkpoint's content)."""
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # see load()
 
     return copy.deepcopy(
         {
@@ -205,7 +223,7 @@ def snapshot(model, optimizer, scheduler, scaler, state: TrainState, adapter: st
 
 
 def restore(saved: dict[str, Any], model, optimizer, scheduler, scaler, adapter: str = "default") -> TrainState:
-    from peft import set_peft_model_state_dict
+    from peft import set_peft_model_state_dict  # see load()
 
     set_peft_model_state_dict(model, saved["adapter"], adapter_name=adapter)
     optimizer.load_state_dict(saved["optimizer"])

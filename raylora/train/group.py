@@ -27,10 +27,7 @@ worker holds the same members, reads its own shard of the rows, and each member'
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import math
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -41,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peft import get_peft_model
+from peft.tuners.lora import Linear as LoraLinear
 
 from raylora.backends import resolve_backend
 from raylora.config import JobConfig
@@ -55,7 +53,16 @@ from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
 from raylora.train.lm import autocast_outputs, enable_recompute, head_is_plain_linear, store_frozen_linears
 from raylora.train.optim import adamw, build_scheduler
-from raylora.train.policy import NanGuard, due, roll_back, step_metrics
+from raylora.train.policy import (
+    NanGuard,
+    due,
+    eval_scores,
+    label_tokens,
+    params_finite,
+    roll_back,
+    step_metrics,
+    take_step,
+)
 
 
 @dataclass
@@ -143,7 +150,6 @@ class Group:
         self.backend = resolve_backend(cfg.backend)
         self.device = self.backend.torch_device()
         self.shard, self.eval_rows = shard, eval_rows or []
-        self._epoch_indices = functools.lru_cache(maxsize=16)(self.shard.indices)
         self.rank, self.world = rank, world
         self.base, tokenizer = load_model(cfg.model)
         self.base.requires_grad_(False).to(self.device)
@@ -267,7 +273,7 @@ class Group:
             if event.report is None or event.status == "diverged":
                 continue
             event.report.update(scores.get(m.name, {}))
-            if event.status == "done" and not all(torch.isfinite(p).all() for p in m.params):
+            if event.status == "done" and not params_finite(m.params):
                 event.status, event.report = "diverged", None
                 continue
             m.state.history.append({"step": m.state.step, **event.report})
@@ -275,26 +281,14 @@ class Group:
             if m.name in saving:
                 m.state.lr_scale = m.lr_scale[0]
                 m.last_good = ckpt.snapshot(self.model, m.optimizer, m.scheduler, m.scaler, m.state, adapter=m.name)
-                event.checkpoint = self._save(m) if m.out is not None and self.rank == 0 else None
+                if m.out is not None and self.rank == 0:
+                    event.checkpoint = ckpt.save_in_run(m.out, m.cfg.train.keep_checkpoints, self.model, m.optimizer,
+                                                        m.scheduler, m.scaler, m.state, m.cfg, adapter=m.name)  # fmt: skip
         return events
 
     def save_adapter(self, name: str, folder: Path) -> None:
         """Write member ``name``'s adapter as a plain peft adapter folder (``PeftModel.from_pretrained`` loads it)."""
         ckpt.save_adapter(self.model, name, folder)
-
-    def _save(self, m: Member) -> Path:
-        """The member's checkpoint ``out/ray/checkpoint_<step>`` (the layout of a Ray Train run's), keeping the newest."""
-        root = m.out / "ray"
-        folder = root / f"checkpoint_{m.state.step:06d}"
-        partial = root / f".{folder.name}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        ckpt.save(partial, self.model, m.optimizer, m.scheduler, m.scaler, m.state, m.cfg, adapter=m.name)
-        shutil.rmtree(folder, ignore_errors=True)
-        partial.rename(folder)
-        for old in sorted(root.glob("checkpoint_*"))[: -m.cfg.train.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return folder
 
     def _guard(self, m: Member, loss: float, grad_norm: float) -> Event | None:
         """The NaN guard of one member's step; returns an Event when the step did not count."""
@@ -305,18 +299,6 @@ class Group:
             m.state = roll_back(m.last_good, m.state, m.lr_scale, self.model, m.optimizer, m.scheduler, m.scaler,
                                 adapter=m.name)  # fmt: skip
         return Event(m.name, m.state.step, "diverged" if verdict == "diverged" else "running")
-
-    def _next_rows(self, m: Member, position: tuple[int, int]) -> tuple[list[dict], tuple[int, int]]:
-        """Member ``m``'s next micro-batch of this worker's rows after ``position`` (epoch, rows read by all workers)."""
-        size = m.cfg.train.batch_size
-        epoch, done = position
-        start = done // self.world
-        if start + size > self.shard.num_rows:
-            if self.shard.num_rows < size:
-                raise RuntimeError(f"this worker's data holds fewer than train.batch_size={size} sequences")
-            epoch, start = epoch + 1, 0
-        rows = self._epoch_indices(epoch, m.cfg.train.seed)[start : start + size]
-        return self.shard.table.take(rows).to_pylist(), (epoch, (start + size) * self.world)
 
     def _train_step(self, members: list[Member]) -> dict[str, tuple[float, int, float, tuple[int, int]]]:
         """Forward and backward of every member's micro-batches together, then each member's optimizer step.
@@ -331,11 +313,11 @@ class Group:
         for m in members:
             position, batches = (m.state.epoch, m.state.rows_in_epoch), []
             for _ in range(m.cfg.train.grad_accum):
-                rows, position = self._next_rows(m, position)
+                rows, position = self.shard.batch_after(position, m.cfg.train.batch_size, m.cfg.train.seed)
                 batches.append(rows)
             micro[m.name], positions[m.name] = batches, position
-            labels = sum(sum(1 for t in r["labels"][1:] if t != IGNORE_INDEX) for rows in batches for r in rows)
-            counts[m.name] = [float(labels), float(sum(r["num_tokens"] for rows in batches for r in rows))]
+            rows = [r for batch in batches for r in batch]
+            counts[m.name] = [float(label_tokens(rows)), float(sum(r["num_tokens"] for r in rows))]
         count = torch.tensor([counts[m.name] for m in members], device=self.device)
         if self.world > 1:
             dist.all_reduce(count)
@@ -345,15 +327,8 @@ class Group:
             self._all_reduce_grads(members, totals)
         results = {}
         for i, m in enumerate(members):
-            m.scaler.unscale_(m.optimizer)
-            clip = m.cfg.train.max_grad_norm if m.cfg.train.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(m.params, clip).item()
             loss = totals[m.name].item() / max(count[i, 0].item(), 1.0)
-            if math.isfinite(loss) and math.isfinite(grad_norm):
-                m.scaler.step(m.optimizer)
-                m.scheduler.step()
-            m.scaler.update()
-            m.optimizer.zero_grad(set_to_none=True)
+            grad_norm = take_step(m.params, m.optimizer, m.scheduler, m.scaler, m.cfg.train.max_grad_norm, loss)
             results[m.name] = (loss, int(count[i, 1].item()), grad_norm, positions[m.name])
         return results
 
@@ -472,19 +447,10 @@ class Group:
             sums = self._in_lanes(members, lambda part: self._eval_sums(part, size))
         finally:
             self.model.train()
-        targets = sum(1 for r in self.eval_rows for t in r["labels"][1:] if t != IGNORE_INDEX)
-        total = torch.tensor(  # float32: HCCL all-reduces no float64
-            [[sums[m.name], float(targets)] for m in members], dtype=torch.float32, device=self.device
-        )
-        if self.world > 1:
-            dist.all_reduce(total)
-            total /= self.world  # every worker evaluated all the eval rows
-        scores = {}
-        for i, m in enumerate(members):
-            if total[i, 1] > 0:
-                value = (total[i, 0] / total[i, 1]).item()
-                scores[m.name] = {"eval_loss": value, "eval_perplexity": math.exp(min(value, 50))}
-        return scores
+        targets = float(label_tokens(self.eval_rows))
+        sums = torch.tensor([[sums[m.name], targets] for m in members], dtype=torch.float64, device=self.device)
+        scores = eval_scores(sums, self.world, replicated=True)  # every worker evaluated all the eval rows
+        return {m.name: score for m, score in zip(members, scores, strict=True) if score}
 
     @torch.no_grad()
     def _eval_sums(self, members: list[Member], size: int) -> dict[str, float]:
@@ -499,8 +465,6 @@ class Group:
     def _wire_layers(self) -> None:
         """Give every LoRA linear of the peft model the grouped forward (new ones appear as members join), and
         the siblings that read one input (q/k/v, gate/up) one down-projection per member."""
-        from peft.tuners.lora import Linear as LoraLinear
-
         for name, layer in self.model.named_modules():
             if isinstance(layer, LoraLinear):
                 layer._raylora_lane = self.lane

@@ -32,13 +32,21 @@ from raylora.config import TrainArgs, from_dict
 from raylora.data.collate import collate_packs
 from raylora.data.packs import PackShard, worker_share
 from raylora.models import attach_lora, load_model
-from raylora.ops.linear_ce import IGNORE_INDEX
 from raylora.tracking import metric_logger, set_tags
 from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
 from raylora.train.lm import training_model
 from raylora.train.optim import build_optimizer, build_scheduler
-from raylora.train.policy import NanGuard, due, roll_back, step_metrics
+from raylora.train.policy import (
+    NanGuard,
+    due,
+    eval_scores,
+    label_tokens,
+    params_finite,
+    roll_back,
+    step_metrics,
+    take_step,
+)
 
 
 def train_worker(config: dict) -> dict:
@@ -180,7 +188,7 @@ def train_worker(config: dict) -> dict:
             metrics.update(
                 evaluate(loss_model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
             )
-        if when.final and not adapter_is_finite(model):
+        if when.final and not params_finite(p for p in model.parameters() if p.requires_grad):
             return outcome("diverged", state, resumed_from)
         state.history.append({"step": state.step, **metrics})
         if rank == 0:
@@ -231,7 +239,7 @@ def quiet_report_logs() -> None:
     ``LoggingConfig(log_level=...)`` does not reach it; the progress line already says what it would.
     """
     with contextlib.suppress(ImportError, AttributeError):
-        from ray.train.v2._internal.execution import context
+        from ray.train.v2._internal.execution import context  # Ray's private module: may move in any release
 
         context.logger.setLevel(logging.WARNING)
 
@@ -278,15 +286,19 @@ def micro_batches(
     """Micro-batches of pack rows, epoch after epoch, starting at the position in ``state``.
 
     Prepared packs (a :class:`~raylora.data.packs.PackShard`) are read in each epoch's order drawn from
-    ``seed``; a streamed shard in the stream's order. Yields ``(rows, (epoch, rows consumed in the epoch by all
-    workers))``. A resumed run skips ``state.rows_in_epoch`` rows of the epoch in total, whatever the number
-    of workers that wrote it.
+    ``seed`` (:meth:`~raylora.data.packs.PackShard.batch_after`); a streamed shard in the stream's order. Yields
+    ``(rows, (epoch, rows consumed in the epoch by all workers))``. A resumed run skips ``state.rows_in_epoch``
+    rows of the epoch in total, whatever the number of workers that wrote it.
     """
-    epoch, skip = state.epoch, state.rows_in_epoch // (batch_size * world)
+    position = (state.epoch, state.rows_in_epoch)
+    if isinstance(shard, PackShard):
+        while True:
+            rows, position = shard.batch_after(position, batch_size, seed)
+            yield rows, position
+    epoch, skip = position[0], position[1] // (batch_size * world)
     while True:
         index = 0
-        order = {"epoch": epoch, "seed": seed} if isinstance(shard, PackShard) else {}
-        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", drop_last=True, **order):
+        for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", drop_last=True):
             index += 1
             if skip:
                 skip -= 1
@@ -325,13 +337,12 @@ def train_step(
     Returns:
         ``(loss per label token over workers, real tokens over workers, gradient norm, data position)``.
     """
-    micro, tokens = [], 0
+    micro, labels, tokens = [], 0, 0
     for _ in range(train.grad_accum):
         rows, position = next(batches)
         micro.append({key: v.to(device) for key, v in collate_packs(rows, pad_id, mask_dtype).items()})
-        tokens += sum(r["num_tokens"] for r in rows)
-    counts = torch.tensor([float(sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro)), float(tokens)])
-    counts = counts.to(device)
+        labels, tokens = labels + label_tokens(rows), tokens + sum(r["num_tokens"] for r in rows)
+    counts = torch.tensor([float(labels), float(tokens)], device=device)
     if world > 1:
         dist.all_reduce(counts)
     scale = world / max(counts[0].item(), 1.0)
@@ -343,18 +354,12 @@ def train_step(
                 loss_sum = ddp(**batch)
             scaler.scale(loss_sum * scale).backward()
         total += loss_sum.detach().float()
-    scaler.unscale_(optimizer)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm if train.max_grad_norm > 0 else float("inf"))
     if world > 1:
         dist.all_reduce(total)
-    loss_value, grad_value = total.item() / max(counts[0].item(), 1.0), grad_norm.item()
-    if math.isfinite(loss_value) and math.isfinite(grad_value):
-        scaler.step(optimizer)
-        scheduler.step()
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_value, int(counts[1].item()), grad_value, position
+    loss = total.item() / max(counts[0].item(), 1.0)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = take_step(params, optimizer, scheduler, scaler, train.max_grad_norm, loss)
+    return loss, int(counts[1].item()), grad_norm, position
 
 
 @torch.no_grad()
@@ -364,24 +369,14 @@ def evaluate(model, shard, batch_size: int, pad_id: int, mask_dtype, backend: Ba
     device = next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
-        tensors = {k: v.to(device) for k, v in collate_packs(batch.to_pylist(), pad_id, mask_dtype).items()}
+        rows = batch.to_pylist()
+        tensors = {k: v.to(device) for k, v in collate_packs(rows, pad_id, mask_dtype).items()}
         with backend.autocast():
             loss_sum = model(**tensors)
-        targets = (tensors["labels"][:, 1:] != IGNORE_INDEX).sum()
-        total += torch.stack([loss_sum.double(), targets.double()])
-    if world > 1:  # HCCL all-reduces no float64
-        reduced = total.float()
-        dist.all_reduce(reduced)
-        total = reduced.double()
+        total[0] += loss_sum.double()
+        total[1] += label_tokens(rows)
     model.train()
-    if total[1] == 0:
-        return {}
-    eval_loss = (total[0] / total[1]).item()
-    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))}
-
-
-def adapter_is_finite(model) -> bool:
-    return all(torch.isfinite(p).all() for n, p in model.named_parameters() if p.requires_grad)
+    return eval_scores(total[None], world, replicated=False)[0]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """What every training run does between its steps, whoever runs it: a Ray Train worker (:mod:`raylora.train.loop`)
 or a member of a shared-base group (:mod:`raylora.train.group`).
 
-The NaN guard and its one rollback, the cadence of logs, evaluations and checkpoints, and the step's metrics.
+The end of an optimizer step (clip, and step only when finite), the NaN guard and its one rollback, the cadence of
+logs, evaluations and checkpoints, the step's metrics and the evaluation's scores.
 """
 
 from __future__ import annotations
@@ -10,10 +11,67 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from raylora.backends import Backend
 from raylora.config import TrainArgs
+from raylora.ops.linear_ce import IGNORE_INDEX
 from raylora.train import checkpoint as ckpt
 from raylora.train.checkpoint import TrainState
+
+
+def finite(*values: float) -> bool:
+    """Whether every value is a finite number (the one test of a step's loss and gradient norm)."""
+    return all(math.isfinite(v) for v in values)
+
+
+def params_finite(params) -> bool:
+    """Whether every tensor of ``params`` (an adapter's trained weights) holds finite numbers only."""
+    return all(bool(torch.isfinite(p).all()) for p in params)
+
+
+def label_tokens(rows: list[dict]) -> int:
+    """The tokens of pack rows whose next-token prediction is trained (every label after the first that is not
+    ignored): the denominator of a step's and an evaluation's loss."""
+    return sum(1 for r in rows for t in r["labels"][1:] if t != IGNORE_INDEX)
+
+
+def take_step(params, optimizer, scheduler, scaler, max_grad_norm: float, loss: float) -> float:
+    """End an optimizer step whose gradients are in: unscale them, clip them to ``max_grad_norm`` (0: no clip), and
+    step the optimizer and the schedule only when ``loss`` and the gradient norm are finite (the NaN guard judges
+    the step then). Returns the gradient norm."""
+    scaler.unscale_(optimizer)
+    clip = max_grad_norm if max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
+    if finite(loss, grad_norm):
+        scaler.step(optimizer)
+        scheduler.step()
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def eval_scores(sums: torch.Tensor, world: int, replicated: bool) -> list[dict[str, float]]:
+    """Eval loss per label token and perplexity of each model evaluated, over every worker.
+
+    Args:
+        sums: ``[models, 2]``: this worker's summed loss and label tokens of each model.
+        replicated: every worker evaluated the same rows (their sums are averaged, not added).
+    Returns:
+        One dict per model (``eval_loss``, ``eval_perplexity``), empty for a model with no label token.
+    """
+    total = sums
+    if world > 1:
+        total = sums.float()  # HCCL all-reduces no float64
+        dist.all_reduce(total)
+        if replicated:
+            total /= world
+    scores = []
+    for loss_sum, targets in total.tolist():
+        value = loss_sum / targets if targets > 0 else None
+        scores.append({} if value is None else {"eval_loss": value, "eval_perplexity": math.exp(min(value, 50))})
+    return scores
 
 
 @dataclass
@@ -30,7 +88,7 @@ class NanGuard:
             ``ok`` (the step counts), ``skip`` (it does not: counted in ``state.skipped_steps``), ``rollback``
             (the tolerance is reached: :func:`roll_back` now) or ``diverged`` (reached again after a rollback).
         """
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        if finite(loss, grad_norm):
             self.bad_in_row = 0
             return "ok"
         state.skipped_steps += 1

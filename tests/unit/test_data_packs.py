@@ -53,3 +53,25 @@ def test_each_epoch_reads_every_pack_once_in_an_order_drawn_from_the_seed_whatev
     assert one[0] == batches(PackShard(rows), 4, 0, seed=7)
     assert one[0][0] != [0, 1, 2, 3]
     assert [n for b in batches(PackShard(rows), 4, 3, seed=None) for n in b] == list(range(40))
+
+
+def test_batch_after_reads_what_the_epochs_batches_read_and_resumes_from_a_position_with_another_worker_count():
+    """A position is (epoch, rows read by all workers): the lone worker and a group member read on from it alike."""
+    rows = table(10)
+
+    def walk(shard, size, steps, position=(0, 0)):
+        read = []
+        for _ in range(steps):
+            batch, position = shard.batch_after(position, size, seed=3)
+            read.append([r["num_tokens"] for r in batch])
+        return read, position
+
+    one, end = walk(PackShard(rows), 4, 4)
+    epochs = [[b.column("num_tokens").to_pylist() for b in PackShard(rows).iter_batches(batch_size=4, drop_last=True,
+              epoch=e, seed=3)] for e in (0, 1)]  # fmt: skip
+    assert one == epochs[0] + epochs[1] and end == (1, 8)  # the epoch's last 2 rows fill no batch
+    first, position = walk(PackShard(rows), 4, 1)
+    pair = [walk(PackShard(rows, rank, 2), 2, 1, position)[0][0] for rank in range(2)]
+    assert sorted(pair[0] + pair[1]) == sorted(one[1])  # two workers read on where one stopped
+    with pytest.raises(RuntimeError, match="fewer than train.batch_size=11"):
+        PackShard(rows).batch_after((0, 0), 11, seed=3)

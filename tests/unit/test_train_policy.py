@@ -4,13 +4,14 @@ import math
 
 import pyarrow as pa
 import pytest
+import torch
 
 from raylora.config import LoraArgs, TrainArgs, from_dict
 from raylora.data.packs import PackShard
 from raylora.models import attach_lora, tiny_model
 from raylora.train.checkpoint import TrainState
 from raylora.train.group import Group
-from raylora.train.policy import NanGuard, due
+from raylora.train.policy import NanGuard, due, eval_scores, label_tokens, params_finite, take_step
 
 NAN = math.nan
 
@@ -53,3 +54,29 @@ def test_a_group_member_trains_with_the_lora_config_of_the_same_run_alone(lora):
     group.join("member", cfg)
     grouped = group.model.peft_config["member"].to_dict()
     assert grouped == alone
+
+
+def test_a_step_is_taken_only_when_its_loss_and_gradient_norm_are_finite_and_the_gradients_are_cleared_either_way():
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    weight.grad = torch.tensor([3.0, 4.0, 0.0])
+    assert take_step([weight], optimizer, scheduler, scaler, 1.0, loss=2.0) == pytest.approx(5.0)
+    assert weight.detach().tolist() == pytest.approx([0.7, 0.6, 1.0])  # clipped to norm 1, then stepped
+    assert weight.grad is None and scheduler.last_epoch == 1
+    weight.grad = torch.tensor([1.0, 1.0, 1.0])
+    take_step([weight], optimizer, scheduler, scaler, 0.0, loss=NAN)
+    assert weight.detach().tolist() == pytest.approx([0.7, 0.6, 1.0]) and weight.grad is None
+    assert scheduler.last_epoch == 1
+    weight.grad = torch.tensor([NAN, 0.0, 0.0])
+    assert math.isnan(take_step([weight], optimizer, scheduler, scaler, 0.0, loss=1.0))
+    assert weight.detach().tolist() == pytest.approx([0.7, 0.6, 1.0])
+    assert params_finite([weight]) and not params_finite([weight, torch.tensor([math.inf])])
+
+
+def test_losses_are_per_label_token_after_the_first_and_a_model_with_none_gets_no_score():
+    rows = [{"labels": [5, 6, -100, 7]}, {"labels": [-100, -100, 8]}]
+    assert label_tokens(rows) == 3  # each row's first label has no prediction
+    scores = eval_scores(torch.tensor([[6.0, 3.0], [1.0, 0.0]], dtype=torch.float64), world=1, replicated=False)
+    assert scores == [{"eval_loss": 2.0, "eval_perplexity": pytest.approx(math.exp(2.0))}, {}]
