@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,16 +45,31 @@ def ensure_ray() -> None:
     # failed with a traceback ("Found multiple active Ray instances"). The new cluster's processes take this
     # one's environment as ray.init starts them, so it tells them where their dashboard is, for them alone: the
     # variable wins over any address, so it must not reach a `ray job submit` this process runs later.
-    port = _dashboard_port()
-    previous = os.environ.get("RAY_API_SERVER_ADDRESS")
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    try:
-        ray.init(address="local", include_dashboard=True, dashboard_port=port, log_to_driver=True)
-    finally:
-        if previous is None:
-            del os.environ["RAY_API_SERVER_ADDRESS"]
-        else:
-            os.environ["RAY_API_SERVER_ADDRESS"] = previous
+    # The dashboard's port is free when looked at and taken when Ray binds it: two clusters starting at once on this
+    # host both took 8265 and the second failed. The lock holds from the look until the dashboard listens.
+    with _host_lock("raylora-ray-init.lock"):
+        port = _dashboard_port()
+        previous = os.environ.get("RAY_API_SERVER_ADDRESS")
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+        try:
+            ray.init(address="local", include_dashboard=True, dashboard_port=port, log_to_driver=True)
+        finally:
+            if previous is None:
+                del os.environ["RAY_API_SERVER_ADDRESS"]
+            else:
+                os.environ["RAY_API_SERVER_ADDRESS"] = previous
+
+
+@contextlib.contextmanager
+def _host_lock(name: str) -> Iterator[None]:
+    """Within: no other process of this host holds the lock ``name`` (a file in the temp folder; released when the
+    holder exits, however it exits)."""
+    with open(Path(tempfile.gettempdir()) / name, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _dashboard_port() -> int:

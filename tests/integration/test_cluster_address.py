@@ -35,27 +35,47 @@ ray.shutdown()
 """
 
 
-def start_local_cluster(stale_address: str | None = None) -> tuple[str, str, str, tuple[str, str]]:
-    """``(node address, GCS address, stderr, (state API address its workers use, its dashboard))`` of the cluster
-    ``ensure_ray`` starts in a fresh interpreter, as
-    `raylora train` or `python jobs/train.py` does (Ray reads the setting that keeps a 127.0.0.1 node address on
-    loopback when it is first imported, and this process imported it long ago); with ``stale_address``, Ray's file
-    names a `ray start` at that address that is gone."""
-    temp_dir = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    if stale_address:
-        (Path(temp_dir) / "ray").mkdir()
-        (Path(temp_dir) / "ray" / "ray_current_cluster").write_text(stale_address)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
-    env["RAY_TMPDIR"] = temp_dir
+def start_local_clusters(
+    count: int = 1, stale_address: str | None = None
+) -> list[tuple[str, str, str, tuple[str, str]]]:
+    """For each of ``count`` clusters that ``ensure_ray`` starts at the same moment, each in a fresh interpreter as
+    `raylora train` or `python jobs/train.py` does: ``(node address, GCS address, stderr, (state API address its
+    workers use, its dashboard))`` (Ray reads the setting that keeps a 127.0.0.1 node address on loopback when it is
+    first imported, and this process imported it long ago); with ``stale_address``, Ray's file names a `ray start`
+    at that address that is gone."""
+    temp_dirs = [tempfile.mkdtemp(prefix="rl-", dir="/tmp") for _ in range(count)]  # Ray's socket paths: <107 bytes
+    runs = []
     try:
-        done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=90)
+        for temp_dir in temp_dirs:
+            if stale_address:
+                (Path(temp_dir) / "ray").mkdir()
+                (Path(temp_dir) / "ray" / "ray_current_cluster").write_text(stale_address)
+            env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+            env["RAY_TMPDIR"] = temp_dir
+            runs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True))  # fmt: skip
+        done = []
+        for run in runs:
+            out, err = run.communicate(timeout=120)
+            done.append((run.returncode, out, err))
     finally:
-        stop_cluster(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    node, gcs = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("node "))
-    state, dashboard = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("state "))
-    return node, gcs, done.stderr, (state, dashboard)
+        for run in runs:
+            run.kill()
+        for temp_dir in temp_dirs:
+            stop_cluster(temp_dir)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    found = []
+    for code, out, err in done:
+        assert code == 0, err[-3000:]
+        lines = out.splitlines()
+        node, gcs = next(line.split()[1:] for line in lines if line.startswith("node "))
+        state, dashboard = next(line.split()[1:] for line in lines if line.startswith("state "))
+        found.append((node, gcs, err, (state, dashboard)))
+    return found
+
+
+def start_local_cluster(stale_address: str | None = None) -> tuple[str, str, str, tuple[str, str]]:
+    return start_local_clusters(1, stale_address)[0]
 
 
 def test_a_local_cluster_started_by_raylora_binds_to_loopback_and_finds_itself_beside_another(ray_session):
@@ -65,6 +85,14 @@ def test_a_local_cluster_started_by_raylora_binds_to_loopback_and_finds_itself_b
     assert node == "127.0.0.1"
     assert gcs.startswith("127.0.0.1:")
     assert state == dashboard and dashboard.startswith("http://127.0.0.1:")
+
+
+def test_clusters_started_at_the_same_moment_each_get_a_dashboard_of_their_own():
+    """Both took Ray's default port 8265 when they looked, and the second's dashboard failed to bind it."""
+    first, second = start_local_clusters(2)
+    assert first[3][1] != second[3][1]
+    for node, _, _, (state, dashboard) in (first, second):
+        assert node == "127.0.0.1" and state == dashboard
 
 
 def test_a_ray_start_that_is_gone_gives_way_to_a_local_cluster():
