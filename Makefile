@@ -25,9 +25,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "import torch, ray, peft, transformers, mlflow, raylora"
 	touch $@
 
-# a fresh machine for the model too: an empty model cache, so the suite converts the default model itself
+# a fresh machine for the model too: an empty model cache, so the suite converts the default model itself.
+# Two pytest processes, each taking whole files (a file's tests share its Ray cluster and trained adapters): most
+# tests wait on Ray, servers and subprocesses, so two keep both cores busy (docs/testing.md).
 test: install
-	cache=$$(mktemp -d) && RAYLORA_CACHE=$$cache $(PY) -m pytest -q --durations=15 tests; \
+	cache=$$(mktemp -d) && RAYLORA_CACHE=$$cache $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests; \
 		status=$$?; rm -rf $$cache; exit $$status
 
 test-unit: install
