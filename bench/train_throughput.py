@@ -265,9 +265,11 @@ def bench(size: str, hf_steps: int, recompute: bool, compile_layers: bool, profi
               f"{r['peak_mb'] / 1024:.2f} GB | {r['tokens_per_step']:.0f} | {r['tokens']} | {r['eval_loss']:.4f} | {r['wall_s']:.0f} |")  # fmt: skip
     ours = runs["raylora train (shipped config)"]
     print(f"our path: {ours['path']}")
+    speed = {}
     for key, what in (("steady_tokens_per_s", "steady"), ("tokens_per_s", "whole run")):
         faster = max(runs["HF Trainer + peft, fp32"][key], runs["HF Trainer + peft, bf16"][key])
-        print(f"speed ({what}): ours / faster baseline = {ours[key] / faster:.2f}x (target >= 2.0x)")
+        speed[key] = f"speed ({what}): ours / faster baseline = {ours[key] / faster:.2f}x (target >= 2.0x)"
+        print(speed[key])
     if recompute:
         lean = min((runs[f"raylora train, recompute every {n}"] for n in (4, 2, 1)), key=lambda r: r["peak_mb"])
         ratio = lean["peak_mb"] / runs["HF Trainer + peft, fp32"]["peak_mb"]
@@ -284,6 +286,16 @@ def bench(size: str, hf_steps: int, recompute: bool, compile_layers: bool, profi
     spread = abs(ours["eval_loss"] - runs["HF Trainer + peft, fp32"]["eval_loss"])
     print(f"eval loss: ours {ours['eval_loss']:.4f}, HF fp32 {runs['HF Trainer + peft, fp32']['eval_loss']:.4f}, "
           f"HF bf16 {runs['HF Trainer + peft, bf16']['eval_loss']:.4f} (difference {spread:.4f})")  # fmt: skip
+    from chart import IMG, bars  # here, not at the top: the --child processes' peak memory leaves matplotlib out
+
+    shipped_first = sorted(runs, key=lambda name: name != "raylora train (shipped config)")
+    bars(
+        IMG / f"train_throughput_{size}.png",
+        f"Training tokens/s: raylora vs Hugging Face Trainer ({MODELS[size]})",
+        {name: runs[name]["steady_tokens_per_s"] for name in shipped_first},
+        "real tokens/s after the first step (higher is better)",
+        f"{speed['steady_tokens_per_s']}\n{os.cpu_count()} cores, one process per run, back to back",
+    )
 
 
 def main() -> None:

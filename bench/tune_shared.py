@@ -125,8 +125,9 @@ def main() -> None:
         alone = run(Path(tmp), "alone", 1, args.steps, args.model, alone_cpus, args.at_once)
         shared = run(Path(tmp), "shared", args.k, args.steps, args.model, args.group_cpus, args.at_once)
     at_once = f"{args.at_once} trials at a time on both sides" if args.at_once else "as many trials at a time as fit"
-    print(f"{args.model}, 8 trials (rank 4/16 x lr 3e-2/1e-2/1e-3/1e-4), {args.steps} steps each, no scheduler, "
-          f"{alone_cpus:g}-CPU trials alone, groups of {args.group_cpus} CPU(s), {at_once}, {os.cpu_count()} cores")  # fmt: skip
+    setup = (f"{args.model}, 8 trials (rank 4/16 x lr 3e-2/1e-2/1e-3/1e-4), {args.steps} steps each, no scheduler, "
+             f"{alone_cpus:g}-CPU trials alone, groups of {args.group_cpus} CPU(s), {at_once}, {os.cpu_count()} cores")  # fmt: skip
+    print(setup)
     for name, r in (("trials_per_group=1", alone), (f"trials_per_group={args.k}", shared)):
         best = ", ".join(f"{key}={value}" for key, value in r["best"]["config"].items())
         print(f"{name:19s} {r['seconds']:6.1f} s  peak memory {r['peak_gb']:5.2f} GB  "
@@ -137,9 +138,19 @@ def main() -> None:
             f"at the peak of {name}: " + ", ".join(f"{kind} {pss / 2**30:.2f} GB" for kind, pss in kinds if pss > 2**24)
         )
     print("eval_loss of each config (trials_per_group=1 / " + f"{args.k}): " + "; ".join(_by_config(alone, shared)))
-    print(f"wall time ratio (1 / {args.k}): {alone['seconds'] / shared['seconds']:.2f}x faster; peak memory ratio "
-          f"({args.k} / 1): {shared['peak_gb'] / alone['peak_gb']:.2f}x; best eval_loss difference "
-          f"{shared['best']['metric'] - alone['best']['metric']:+.4f}")  # fmt: skip
+    ratio = (f"wall time ratio (1 / {args.k}): {alone['seconds'] / shared['seconds']:.2f}x faster; peak memory ratio "
+             f"({args.k} / 1): {shared['peak_gb'] / alone['peak_gb']:.2f}x; best eval_loss difference "
+             f"{shared['best']['metric'] - alone['best']['metric']:+.4f}")  # fmt: skip
+    print(ratio)
+    from chart import IMG, bars  # here, not at the top: the peak memory counts this process
+
+    bars(
+        IMG / f"tune_shared_{args.model}{f'_at_once_{args.at_once}' if args.at_once else ''}.png",
+        f"Sweep wall time: shared base vs a base per trial ({args.model})",
+        {f"trials_per_group={args.k} (shared base)": shared["seconds"], "trials_per_group=1": alone["seconds"]},
+        "sweep wall time, s (lower is better)",
+        f"{ratio}\n{setup}",
+    )
 
 
 def _by_config(alone: dict, shared: dict) -> list[str]:
