@@ -80,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     # the error classes of every command, imported after parsing: these modules load torch, Ray Data, transformers and
     # peft (about 4.8 s on 2 cores together), which `raylora --help` must not pay
     from raylora.backends import BackendError
-    from raylora.data.sources import DataError
-    from raylora.demo import DemoError
-    from raylora.model_files import ModelError
-    from raylora.tracking import TrackingError
-    from raylora.train.checkpoint import CheckpointError
-    from raylora.train.fit import TrainingError
+    from raylora.data.sources import DataError  # after parsing: see top
+    from raylora.demo import DemoError  # after parsing: see top
+    from raylora.model_files import ModelError  # after parsing: see top
+    from raylora.tracking import TrackingError  # after parsing: see top
+    from raylora.train.checkpoint import CheckpointError  # after parsing: see top
+    from raylora.train.fit import TrainingError  # after parsing: see top
 
     # exit 2: the input is wrong (config, model, data, checkpoint, device); exit 1: the run failed
     bad_input = (ConfigError, ModelError, DataError, CheckpointError, BackendError)

@@ -13,7 +13,6 @@ from typing import Any
 
 from raylora.config import JobConfig, to_record
 from raylora.tracking import finish_run, reopen_run, start_run, tracking_uri
-from raylora.train.checkpoint import newest as newest_checkpoint
 
 RUN_FILE = "mlflow_run.json"  # in train.output_dir: the MLflow run the job's checkpoints belong to
 
@@ -28,16 +27,17 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def job_run(cfg: JobConfig, out: Path) -> str | None:
+def job_run(cfg: JobConfig, out: Path, resumes: bool) -> str | None:
     """The MLflow run a job logs to (``None`` with tracking off).
 
-    A job resuming from its checkpoints with the same settings continues the run that wrote them, so its curves go
-    on; with other settings (a raised ``train.max_steps``) it opens a new run tagged ``raylora.continues_run``.
+    A job that ``resumes`` from its checkpoints with the same settings continues the run that wrote them, so its
+    curves go on; with other settings (a raised ``train.max_steps``) it opens a new run tagged
+    ``raylora.continues_run``.
     """
     if not cfg.tracking.enabled:
         return None
     params, saved = flatten(to_record(cfg)), out / RUN_FILE
-    earlier = json.loads(saved.read_text())["run_id"] if saved.exists() and newest_checkpoint(out) else None
+    earlier = json.loads(saved.read_text())["run_id"] if saved.exists() and resumes else None
     if earlier is not None and reopen_run(cfg.tracking, earlier, params):
         return earlier
     run_id = start_run(cfg.tracking, out.name, params, tags={"raylora.continues_run": earlier} if earlier else None)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 
@@ -67,10 +68,8 @@ class Backend:
         if self.name == "cpu":
             return torch.device("cpu")
         device = torch.device(self.name, 0)
-        import ray
-
         if ray.is_initialized():
-            from ray.train.torch import get_device
+            from ray.train.torch import get_device  # Ray Train, 0.9 s: only a Ray process on an accelerator asks
 
             with contextlib.suppress(RuntimeError):  # outside a Ray Train training function
                 assigned = get_device()
@@ -105,7 +104,7 @@ class Backend:
         rows = [
             ("device", f"{self.name} ({self.detected_by})"),
             ("dist backend", self.dist_backend),
-            ("ray worker resources", str(resources.get("resources_per_worker", {self.ray_resource: 1}))),
+            ("ray worker resources", str(resources["resources_per_worker"])),
             ("autocast", str(self.amp_dtype or "off (fp32)") + (" + grad scaler" if self.needs_grad_scaler else "")
                          + f"; {self.precision_by}"),
         ]  # fmt: skip
@@ -116,15 +115,13 @@ class Backend:
 
     def scaling(self, num_workers: int, cpus_per_worker: float = 1.0) -> dict[str, Any]:
         """Keyword arguments for ``ray.train.ScalingConfig``: NPUs are a custom resource with use_gpu=False."""
-        if self.ray_resource == "GPU":
-            return {"num_workers": num_workers, "use_gpu": True}
         resources = {"CPU": cpus_per_worker}
         if self.ray_resource != "CPU":
             resources[self.ray_resource] = 1
-        return {"num_workers": num_workers, "use_gpu": False, "resources_per_worker": resources}
+        return {"num_workers": num_workers, "use_gpu": self.ray_resource == "GPU", "resources_per_worker": resources}
 
     def actor_options(self, cpus: float) -> dict[str, Any]:
-        """``ray_actor_options`` for one Serve replica holding a model on this device."""
+        """Ray actor options for one actor holding a model on this device: a Serve replica, a group's worker."""
         if self.ray_resource == "GPU":
             return {"num_cpus": cpus, "num_gpus": 1}
         if self.ray_resource == "CPU":

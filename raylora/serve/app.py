@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from raylora.backends import replica_plan
 from raylora.config import JobConfig, from_dict, load_config, to_dict
 from raylora.registry import AdapterError, check_name, list_registered
 from raylora.serve import protocol
@@ -24,6 +25,7 @@ from raylora.serve.adapters import install, list_local, local_adapter
 from raylora.serve.protocol import ApiError
 from raylora.serve.replica import LLMServer
 from raylora.serve.tools import CallStream, forced_prefix, split_calls
+from raylora.tracking import tracking_uri
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="raylora", docs_url=None, redoc_url=None, openapi_url=None)  # only /health is open
@@ -149,8 +151,6 @@ class Ingress:
     def _tracking_uri(self) -> str | None:
         if not self.cfg.tracking.enabled:
             return None
-        from raylora.tracking import tracking_uri
-
         return tracking_uri(self.cfg.tracking)
 
     @api.get("/health")
@@ -311,8 +311,6 @@ def build_app(cfg: JobConfig):
     Raises:
         BackendError: the configured device is absent.
     """
-    from raylora.backends import replica_plan
-
     options = replica_plan(cfg.backend, cfg.serve.cpus_per_replica)
     model = serve.deployment(LLMServer).options(
         name="LLMServer", num_replicas=cfg.serve.replicas, ray_actor_options=options,

@@ -16,10 +16,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 from ray import serve
 
+from raylora.backends import resolve_backend
 from raylora.config import JobConfig, from_dict
+from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation
+from raylora.models import load_model
 from raylora.quantize import quantize
 from raylora.registry import AdapterError
 from raylora.serve.adapters import fetch_registered, local_adapter
@@ -27,6 +31,7 @@ from raylora.serve.bank import AdapterBank
 from raylora.serve.engine import Engine, Event, GenRequest, joined
 from raylora.serve.protocol import ApiError
 from raylora.serve.tools import forced_prefix
+from raylora.tracking import tracking_uri
 
 
 def load_serving_model(cfg: JobConfig):
@@ -35,9 +40,6 @@ def load_serving_model(cfg: JobConfig):
     Returns:
         ``(model, tokenizer, summary)``; ``summary`` describes the quantisation (empty for ``none``).
     """
-    from raylora.backends import resolve_backend
-    from raylora.models import load_model
-
     model, tokenizer = load_model(cfg.model)
     summary: dict = {}
     if cfg.serve.quantization != "none":
@@ -69,8 +71,6 @@ class LLMServer:
     def __init__(self, cfg: dict):
         self.cfg = cfg = from_dict(cfg)
         torch.set_num_threads(max(1, round(cfg.serve.cpus_per_replica)))
-        from raylora.data.encode import Encoder, tokenizer_spec
-
         model, self.tokenizer, self.quantization = load_serving_model(cfg)
         self.base = model
         self.encoder = Encoder(tokenizer_spec(self.tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
@@ -99,8 +99,6 @@ class LLMServer:
         except AdapterError as e:
             if e.status != 404 or not self.cfg.tracking.enabled:
                 raise
-        from raylora.tracking import tracking_uri
-
         return fetch_registered(tracking_uri(self.cfg.tracking), name, self.root)
 
     def retire(self, name: str) -> None:
@@ -119,8 +117,6 @@ class LLMServer:
         """
         if messages is None:
             return self.tokenizer(prompt).input_ids
-        from jinja2 import TemplateError
-
         view, _, tools = self.encoder.template_view(Conversation(messages, tools))
         try:
             text = self.encoder.render(view, add_generation_prompt=True, tools=tools) + answer_start

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ray
 import yaml
 
 from raylora.backends import BackendError, planned_backend, worker_plan
@@ -60,7 +61,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     data = training_data(cfg, log)
     check_enough(cfg, data.packs)
-    run_id = job_run(cfg, out)
+    run_id = job_run(cfg, out, newest_checkpoint(out) is not None)
     trainer = build_trainer(cfg, out, datasets(data), run_id, run_settings(cfg, out))
     stopped = functools.partial(finish_run, cfg.tracking, run_id, [], "KILLED")
     try:
@@ -172,8 +173,6 @@ def check_before_data(cfg: JobConfig) -> JobConfig:
     if cfg.tracking.enabled:  # a server down is a failed run (exit 1), not bad input: on its own
         check_reachable(tracking_uri(cfg.tracking))
     ensure_ray()
-    import ray
-
     if cfg.train.cpus_per_worker is None:
         device = planned_backend(cfg.backend).ray_resource
         share = free_share(
@@ -183,7 +182,7 @@ def check_before_data(cfg: JobConfig) -> JobConfig:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cpus_per_worker=float(share)))
     _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     cluster = ray.cluster_resources()
-    per_worker = scaling.get("resources_per_worker") or {"CPU": 1.0, "GPU": 1.0}  # Ray Train's default with use_gpu
+    per_worker = scaling["resources_per_worker"]
     short = {
         k: v * cfg.train.num_workers for k, v in per_worker.items() if v * cfg.train.num_workers > cluster.get(k, 0)
     }

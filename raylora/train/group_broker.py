@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import ray
+
 from raylora.config import JobConfig
 
 HOLD_GRACE = 0.5  # seconds a group that has members to step waits for Tune to answer its held members' reports
@@ -84,8 +86,6 @@ class Broker:
                 as a Ray Train run does, and no trial joins it again; the other groups go on.
         """
         if generation == self.generation[index] and index not in self.ended_groups:
-            import ray
-
             for actor in self.workers[index][0]:
                 ray.kill(actor)  # a worker left waiting in a collective for the dead one would never return
             self.places[index], self.joins[index], self.leaves[index] = set(), [], set()
@@ -103,8 +103,6 @@ class Broker:
 
     def _launch(self, index: int) -> None:
         if self.launch is not None:
-            import ray
-
             self.workers[index] = self.launch(index, self.generation[index], ray.get_runtime_context().current_actor)
 
     async def current(self) -> tuple[list, list]:

@@ -22,6 +22,7 @@ import ray
 from raylora.cluster import normal_priority
 from raylora.config import JobConfig, from_dict, to_dict
 from raylora.data.packs import read_packs, worker_share
+from raylora.runs import child_run
 from raylora.tracking import metric_logger, tracking_uri
 from raylora.train.group_broker import Broker, broker_name
 
@@ -48,9 +49,9 @@ class GroupWorker:
 
     def __init__(self, job: dict, train, evaluation, index: int, rank: int, world: int, store: str, dist_backend: str):
         import torch  # see the note at the top
-        import torch.distributed as dist
+        import torch.distributed as dist  # see the note at the top
 
-        from raylora.train.group import Group
+        from raylora.train.group import Group  # see the note at the top
 
         priority = normal_priority()  # before torch starts its intra-op threads and the group its lanes
         cfg = from_dict(job)
@@ -66,8 +67,6 @@ class GroupWorker:
 
     def run(self, broker, index: int, generation: int) -> int:
         """Train members as they come and go; returns the number of steps taken."""
-        from raylora.runs import child_run  # see the note at the top
-
         group = self.group
         metric = group.cfg.tune.metric
         loggers: dict[str, Any] = {}  # member -> its MLflow child run's metric logger (rank 0 logs for its members)
@@ -134,7 +133,7 @@ class GroupWorker:
 
 def start(cfg: JobConfig, data, groups: int):
     """The sweep's broker, with its groups started: each of ``train.num_workers`` workers, as Ray Train would
-    place them (:func:`raylora.backends.worker_plan`).
+    place them (:meth:`raylora.backends.base.Backend.actor_options`).
 
     ``data`` is :func:`raylora.data.pipeline.training_data`'s result; its packs are in Ray's object store, and
     every group reads them from there."""
@@ -147,18 +146,13 @@ def start(cfg: JobConfig, data, groups: int):
 def launcher(cfg: JobConfig, data):
     """``launch(index, generation, broker) -> (actors, run refs)``: starts group ``index``'s workers and their
     :meth:`GroupWorker.run`."""
-    from raylora.backends import worker_plan  # see the note at the top
+    from raylora.backends import planned_backend  # see the note at the top
 
     world = cfg.train.num_workers
-    dist_backend, scaling, env = worker_plan(cfg.backend, world, cfg.train.cpus_per_worker)
-    per_worker = dict(scaling.get("resources_per_worker") or {})
-    options: dict[str, Any] = {"num_cpus": per_worker.pop("CPU", cfg.train.cpus_per_worker)}
-    if scaling.get("use_gpu"):
-        options["num_gpus"] = per_worker.pop("GPU", 1)
-    if per_worker:
-        options["resources"] = per_worker
-    if env:
-        options["runtime_env"] = {"env_vars": env}
+    plan = planned_backend(cfg.backend)
+    dist_backend, options = plan.dist_backend, plan.actor_options(cfg.train.cpus_per_worker)
+    if plan.env:
+        options["runtime_env"] = {"env_vars": plan.env}
     stores = Path(cfg.train.output_dir).resolve() / "groups"
     stores.mkdir(parents=True, exist_ok=True)
     job, train, evaluation = to_dict(cfg), data.train, data.eval

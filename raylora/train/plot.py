@@ -7,10 +7,12 @@ from pathlib import Path
 
 def plot_history(history: list[dict[str, float]], path: Path) -> None:
     """Training loss (and eval loss where measured) against the optimizer step."""
+    # here, not at the top: matplotlib costs 0.35 s, paid through fit by every command's import of its errors; and
+    # importing the module must not choose the process's backend, which pyplot needs chosen first
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg"), see above
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+
 from raylora.config import JobConfig, to_dict
 from raylora.data.packs import Packs
 from raylora.tracking import tracking_uri
@@ -37,10 +39,11 @@ def build_trainer(
             none; a sweep whose metric is the training loss needs them). Ray 2.60's controller takes one report
             every 2 s, and a worker's next report waits for it: reporting every step held a fast step to 2 s.
     """
-    from ray.train import DataConfig, RunConfig, ScalingConfig
+    # these two import torch: 1.3 s and 0.18 GB more in a grouped trial's process, which imports this module for
+    # TrainingError alone
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raylora.backends import store_timeout_s, worker_plan
+    from raylora.backends import store_timeout_s, worker_plan  # see above
 
     dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     packs = {name: d for name, d in datasets.items() if isinstance(d, Packs)}
@@ -66,8 +69,6 @@ def build_trainer(
 
 def run_settings(cfg: JobConfig, out: Path) -> dict[str, Any]:
     """Ray Train's run settings of a job writing to ``out``: checkpoints under ``out/ray``, restarts on failure."""
-    from ray.train import CheckpointConfig, FailureConfig
-
     return {
         "name": "ray",
         "storage_path": str(out),
@@ -96,6 +97,6 @@ def check_outcome(result, cfg: JobConfig) -> dict[str, Any]:
 
 def _train_worker(config: dict) -> dict:
     """Ray Train's worker function: :func:`raylora.train.loop.train_worker`, imported in the worker only."""
-    from raylora.train.loop import train_worker
+    from raylora.train.loop import train_worker  # the model and data stacks (4 s): in the worker only
 
     return train_worker(config)

@@ -30,9 +30,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray import tune
+from ray.tune import Callback
+
 from raylora.config import ConfigError, JobConfig, to_dict
 from raylora.train.group_broker import broker_name
-from raylora.tune.space import problem_key, trial_count, trial_values
+from raylora.train.trainer import TrainingError
+from raylora.tune.space import problem_key, trial_config, trial_count, trial_values
 
 # Keys a group's members must share: they shape the group's workers or its single forward pass.
 SHARED_TRAIN_KEYS = {
@@ -86,14 +91,10 @@ def leave_callback(cfg: JobConfig):
     Tune keeps its callbacks in the experiment state, and a resumed sweep has a new broker: the callback looks
     the broker up by name each time.
     """
-    from ray.tune import Callback
-
     name = broker_name(cfg)
 
     class LeaveGroup(Callback):
         def on_trial_complete(self, iteration, trials, trial, **info):
-            import ray
-
             ray.get_actor(name).leave.remote(trial.trial_id)
 
         def on_trial_error(self, iteration, trials, trial, **info):
@@ -112,12 +113,6 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, broker) ->
     Raises:
         TrainingError: the member diverged, could not join (its error), or its group failed with no restart left.
     """
-    import ray
-    from ray import tune
-
-    from raylora.train.trainer import TrainingError
-    from raylora.tune.trial import trial_config
-
     trial_id = tune.get_context().get_trial_id()
     out = Path(job["train"]["output_dir"]) / "trials" / trial_id
     out.mkdir(parents=True, exist_ok=True)
@@ -157,8 +152,6 @@ def _record(out: Path, placed: dict, resume_from: str | None) -> None:
 
 def _next_report(broker, trial: str, runs: list) -> dict | None:
     """The trial's next report from its group, or None when a worker of the group ended first."""
-    import ray
-
     pending = broker.next_report.remote(trial)
     ready, _ = ray.wait([pending, *runs], num_returns=1)
     if pending in ready:

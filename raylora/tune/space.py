@@ -20,9 +20,11 @@ import dataclasses
 import difflib
 import importlib.util
 import typing
+from pathlib import Path
 from typing import Any
 
 from raylora.config import ConfigError, JobConfig, LoraArgs, TrainArgs, coerce, from_dict, to_dict
+from raylora.registry import AdapterError, check_name
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 RANGES = ("uniform", "loguniform", "randint")
@@ -103,8 +105,6 @@ def check(cfg: JobConfig) -> None:
         elif grace and not (tune.metric.startswith("eval_") and cfg.train.eval_every == 0):
             problems += _check_first_rung(cfg, grace)
     if tune.register_as is not None:
-        from raylora.registry import AdapterError, check_name
-
         try:
             check_name(tune.register_as)
         except AdapterError as e:
@@ -207,8 +207,8 @@ def problem_key(cfg: JobConfig, key: str) -> str:
 def _check_targets(cfg: JobConfig) -> list[tuple[str, str]]:
     """A missing base model, or each trial value of ``lora.target_modules`` that names a layer it lacks (checked on
     the model's skeleton: no weights are read)."""
-    from raylora.model_files import ModelError
-    from raylora.models import model_skeleton, target_modules
+    from raylora.model_files import ModelError  # with models, torch and transformers (3.7 s): the CLI imports space
+    from raylora.models import model_skeleton, target_modules  # see the line above
 
     try:
         skeleton = model_skeleton(cfg.model)
@@ -289,7 +289,7 @@ def _check_entry(cfg: JobConfig, key: str, spec: Any) -> list[tuple[str, str]]:
 
 def to_tune(space: dict[str, dict[str, Any]], search: str) -> dict[str, Any]:
     """Ray Tune's ``param_space`` for a checked space (keys stay dotted); ``choice`` is a grid under grid search."""
-    from ray import tune
+    from ray import tune  # 0.9 s: the CLI imports this module, and only `raylora tune` gets here
 
     domains = {}
     for key, spec in space.items():
@@ -317,6 +317,12 @@ def trial_count(tune_args) -> int:
 def _is_grid(kind: str, search: str) -> bool:
     """Whether Tune expands an entry of this kind into every value: a grid, or a choice under grid search."""
     return kind == "grid" or (kind == "choice" and search == "grid")
+
+
+def trial_config(job: dict, values: dict[str, Any], out: Path) -> JobConfig:
+    """The job of one trial: ``job`` (a :func:`~raylora.config.to_dict` dict) with the trial's ``values``, writing to
+    ``out``."""
+    return from_dict(apply(job, {**values, "train.output_dir": str(out)}))
 
 
 def apply(job: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:

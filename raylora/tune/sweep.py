@@ -31,17 +31,26 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray import tune
+from ray.tune import Callback
+from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+from ray.tune.search.optuna import OptunaSearch  # imports without optuna (optional): OptunaSearch() asks for it
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
 from raylora.backends import worker_plan
 from raylora.cluster import ensure_ray, sigterm_stops
 from raylora.config import ConfigError, JobConfig, from_dict, to_dict, to_record
 from raylora.data.pipeline import DataError, training_data
 from raylora.data.sources import plan_sources
+from raylora.registry import register
 from raylora.runs import flatten, parent_run
 from raylora.tracking import check_reachable, finish_run, tracking_uri
 from raylora.train import group_worker
 from raylora.train.fit import TrainingError, check_enough, datasets, save_outputs
 from raylora.tune import groups, space
-from raylora.tune.trial import run_trial, trial_config
+from raylora.tune.trial import run_trial
 
 STATUS_TAG = "raylora.trial_status"
 ERROR_TAG = "raylora.trial_error"  # a failed trial's reason (its last line; error.txt holds all of it)
@@ -60,8 +69,6 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
         ConfigError: a bad sweep, or a trial that does not fit the cluster, before any trial starts.
         TrainingError: no trial completed; each trial's error is in its MLflow child run.
     """
-    from ray import tune
-
     if cfg.train.cpus_per_worker is None:  # trials run side by side: one CPU each, as before the default was unset
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cpus_per_worker=1.0))
     check_sweep(cfg)
@@ -258,10 +265,8 @@ def trials_at_once(cfg: JobConfig) -> int:
     Raises:
         ConfigError: one trial asks for more CPUs / GPUs / NPUs than the whole cluster has.
     """
-    import ray
-
     _, scaling, _ = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
-    per_worker = scaling.get("resources_per_worker") or {"CPU": 1.0, "GPU": 1.0}
+    per_worker = scaling["resources_per_worker"]
     cluster = ray.cluster_resources()
     fits = min(int(cluster.get(k, 0) // (v * cfg.train.num_workers)) for k, v in per_worker.items())
     if fits == 0:
@@ -286,7 +291,6 @@ def _final_checkpoint(out: Path, max_steps: int) -> Path | None:
 
 def _release_stopped_callback(out: Path):
     """A Tune callback releasing each ended trial's worker placement group (see :func:`_release_placement_groups`)."""
-    from ray.tune import Callback
 
     class ReleaseStopped(Callback):
         def on_trial_complete(self, iteration, trials, trial, **info):
@@ -342,7 +346,7 @@ def _check_parent(cfg: JobConfig, out: Path) -> None:
     saved = out / "sweep.json"
     if not saved.exists():
         return
-    import mlflow
+    import mlflow  # 0.7 s after Ray: only once tracking is on, as in raylora.tracking
 
     run_id = json.loads(saved.read_text())["parent_run_id"]
     uri = tracking_uri(cfg.tracking)
@@ -366,12 +370,7 @@ def _check_parent(cfg: JobConfig, out: Path) -> None:
 
 def _searcher(cfg: JobConfig, at_once: int):
     if cfg.tune.search == "optuna":
-        from ray.tune.search import ConcurrencyLimiter
-        from ray.tune.search.optuna import OptunaSearch
-
         return ConcurrencyLimiter(OptunaSearch(seed=cfg.train.seed), max_concurrent=at_once)
-    from ray.tune.search import BasicVariantGenerator
-
     return BasicVariantGenerator(random_state=cfg.train.seed, max_concurrent=at_once)
 
 
@@ -384,9 +383,6 @@ def _release_placement_groups(trial_dir: Path) -> None:
     second or two later, but only on a cluster whose dashboard runs (a ``ray start --include-dashboard=false``
     cluster has none). Each worker records its group's id.
     """
-    import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
     ids = {json.loads(p.read_text()).get("placement_group") for p in (trial_dir / "workers").glob("rank*.json")}
     table = ray.util.placement_group_table()
     for pg_id in ids - {None}:
@@ -397,8 +393,6 @@ def _release_placement_groups(trial_dir: Path) -> None:
 def _scheduler(cfg: JobConfig):
     if cfg.tune.scheduler == "none":
         return None
-    from ray.tune.schedulers import ASHAScheduler
-
     return ASHAScheduler(
         time_attr="step",
         max_t=cfg.train.max_steps,
@@ -426,7 +420,7 @@ def _finish_trial(cfg: JobConfig, result) -> dict[str, Any]:
         status = "failed"
     elif final is not None:
         status = "completed"
-        save_outputs(final, trial_config(to_dict(cfg), values, out), out)
+        save_outputs(final, space.trial_config(to_dict(cfg), values, out), out)
     else:
         status = "stopped early"
     if status == "failed":  # the reason, where the sweep's message sends the user (it was in the console only)
@@ -435,7 +429,7 @@ def _finish_trial(cfg: JobConfig, result) -> dict[str, Any]:
         (out / "error.txt").write_text(reason + "\n")
     saved = out / "mlflow_run.json"
     if cfg.tracking.enabled and saved.exists():
-        import mlflow
+        import mlflow  # see _check_parent
 
         run_id = json.loads(saved.read_text())["run_id"]
         client = mlflow.MlflowClient(tracking_uri(cfg.tracking))
@@ -461,9 +455,7 @@ def _log_best(cfg: JobConfig, parent: str | None, best: dict[str, Any], out: Pat
     """Log the best config, metric, adapter, table and plot to the parent run and register the adapter."""
     if parent is None:
         return None
-    import mlflow
-
-    from raylora.registry import register
+    import mlflow  # see _check_parent
 
     uri = tracking_uri(cfg.tracking)
     client = mlflow.MlflowClient(uri)
@@ -487,10 +479,10 @@ def _write_table(rows: list[dict[str, Any]], path: Path) -> None:
 def _plot(cfg: JobConfig, rows: list[dict[str, Any]], path: Path) -> None:
     """The metric of every trial over lora.rank x train.lr (else the first two searched keys; with one, the metric
     over it), one marker per status."""
-    import matplotlib
+    import matplotlib  # see raylora.train.plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # see raylora.train.plot
 
     keys = [k for k in ("train.lr", "lora.rank") if k in cfg.tune.space]
     keys += [k for k in cfg.tune.space if k not in keys]

@@ -1,8 +1,6 @@
 """What runs in a sweep trial's own process: :func:`run_trial`, one Ray Train run of the job with the trial's values.
 
-That process only drives the run, so it imports no model or data stack (see :mod:`raylora.train.trainer`);
-a grouped trial's process (:func:`raylora.tune.groups.run_member`) uses :func:`trial_config` and
-:func:`raylora.runs.child_run` too.
+That process only drives the run, so it imports no model or data stack (see :mod:`raylora.train.trainer`).
 """
 
 from __future__ import annotations
@@ -11,12 +9,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from raylora.config import JobConfig, from_dict
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+
 from raylora.runs import child_run
 from raylora.train.checkpoint import drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
 from raylora.train.trainer import TrainingError, build_trainer, check_outcome, run_settings
-from raylora.tune import space
+from raylora.tune.space import trial_config
 
 
 def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | None) -> None:
@@ -29,8 +29,6 @@ def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | N
     Raises:
         TrainingError: the run failed or diverged (an errored trial in Tune).
     """
-    from ray import tune
-
     # Ray Train's preemption watcher (an actor per run that logs node drains) is one more process for every
     # trial to start; a trial's controller reads this variable from the trial's own process.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
@@ -49,17 +47,12 @@ def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | N
     drop_unregistered(out)
 
 
-def trial_config(job: dict, values: dict[str, Any], out: Path) -> JobConfig:
-    return from_dict(space.apply(job, {**values, "train.output_dir": str(out)}))
-
-
 def _metric_reports(metric: str):
     """A Ray Train callback passing to Tune the reports that hold ``metric`` (evaluation steps).
 
     Tune refuses a result without the sweep's metric, and training reports eval loss only every
     ``train.eval_every`` steps. The metric goes first, so Tune's progress table (a trial's first four metrics) shows it.
     """
-    from ray.tune.integration.ray_train import TuneReportCallback
 
     class MetricReports(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):

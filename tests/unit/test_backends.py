@@ -217,7 +217,8 @@ def test_cuda_backend_shape(monkeypatch):
     )
     assert (b.amp_dtype, b.needs_grad_scaler) == (torch.float16, True)
     assert b.precision_by == "auto: fp16 (torch.cuda.is_bf16_supported(including_emulation=False) is False)"
-    assert b.scaling(4) == {"num_workers": 4, "use_gpu": True}
+    resources = {"CPU": 2, "GPU": 1}  # train.cpus_per_worker holds on GPUs too (it was dropped: 1 CPU each)
+    assert b.scaling(4, cpus_per_worker=2) == {"num_workers": 4, "use_gpu": True, "resources_per_worker": resources}
     assert b.collective_problem(torch.bfloat16) is None and b.ddp_device_ids(torch.device("cuda", 3)) == [3]
 
 

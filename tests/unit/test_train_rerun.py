@@ -9,7 +9,7 @@ from raylora import runs
 from raylora.config import load_config, to_dict
 from raylora.models import tiny_model
 from raylora.train import fit as fit_module
-from raylora.train.checkpoint import LORA_SHAPE, CheckpointError
+from raylora.train.checkpoint import LORA_SHAPE, CheckpointError, newest
 
 
 def _checkpoint(out, name: str, step: int, cfg, rank: int) -> None:
@@ -21,6 +21,11 @@ def _checkpoint(out, name: str, step: int, cfg, rank: int) -> None:
     (folder / "meta.json").write_text(json.dumps({"model": cfg.model.name_or_path, "lora": lora, "step": step}))
     (folder / "history.json").write_text(json.dumps([{"step": s, "loss": 5.0 - s / 10} for s in range(1, step + 1)]))
     (folder / "state.pt").write_bytes(b"")
+
+
+def _job_run(cfg, out):
+    """The job's MLflow run, as :func:`raylora.train.fit.fit` asks for it."""
+    return runs.job_run(cfg, out, newest(out) is not None)
 
 
 def _config(tmp_path, *overrides):
@@ -61,19 +66,19 @@ def test_a_resumed_job_continues_its_mlflow_run_or_links_a_new_one(tmp_path):
     cfg = _config(tmp_path, "train.max_steps=6", "tracking.enabled=true", f"tracking.uri={uri}")
     out = tmp_path / "run"
     out.mkdir()
-    first = runs.job_run(cfg, out)  # nothing to resume: a new run
+    first = _job_run(cfg, out)  # nothing to resume: a new run
     client = mlflow.MlflowClient(uri)
     client.set_terminated(first, "FAILED")  # the driver died
     _checkpoint(out, "checkpoint_2026-01-01_00-00-01", 4, cfg, cfg.lora.rank)
-    assert runs.job_run(cfg, out) == first  # the same settings resume the same run
+    assert _job_run(cfg, out) == first  # the same settings resume the same run
     assert client.get_run(first).info.status == "RUNNING"
     more = _config(tmp_path, "train.max_steps=8", "tracking.enabled=true", f"tracking.uri={uri}")
-    second = runs.job_run(more, out)  # other settings: a new run that names the one it continues
+    second = _job_run(more, out)  # other settings: a new run that names the one it continues
     assert second != first and client.get_run(second).data.tags["raylora.continues_run"] == first
     assert client.get_run(second).data.params["train.max_steps"] == "8"
-    assert runs.job_run(more, out) == second
+    assert _job_run(more, out) == second
     client.delete_run(second)  # deleted in the MLflow UI: a new run, not a failed reopen
-    third = runs.job_run(more, out)
+    third = _job_run(more, out)
     assert third not in (first, second) and client.get_run(third).info.status == "RUNNING"
 
 

@@ -223,3 +223,14 @@ def test_the_sweeps_metric_is_reported_first_so_tunes_table_shows_it(monkeypatch
     callback.after_report(None, [{"loss": 1.0, "lr": 0.1, "grad_norm": 2.0, "eval_loss": 1.5}, {"loss": 1.1}], None)
     assert len(passed) == 1 and list(passed[0][0])[0] == "eval_loss" and passed[0][0]["loss"] == 1.0
     assert passed[0][1] == {"loss": 1.1}
+
+
+def test_a_grouped_trials_process_imports_neither_torch_nor_mlflow():
+    """Found by review: run_member took trial_config from tune.trial, whose imports load torch (1.3 s and 0.18 GB more
+    in every grouped trial's process)."""
+    import subprocess
+    import sys
+
+    code = "import sys, raylora.tune.groups\nprint(sorted(m for m in ('torch', 'mlflow', 'peft') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
