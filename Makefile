@@ -26,10 +26,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # a fresh machine for the model too: an empty model cache, so the suite converts the default model itself.
-# Two pytest processes, each taking whole files (a file's tests share its Ray cluster and trained adapters): most
-# tests wait on Ray, servers and subprocesses, so two keep both cores busy (docs/testing.md).
+# Two pytest processes, each taking whole files (a file's tests share its Ray cluster and trained adapters) in the
+# order tests/conftest.py gives, longest first: most tests wait on Ray, servers and subprocesses, so two keep both
+# cores busy (docs/testing.md).
 test: install
-	cache=$$(mktemp -d) && RAYLORA_CACHE=$$cache $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests; \
+	cache=$$(mktemp -d) && RAYLORA_CACHE=$$cache $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests; \
 		status=$$?; rm -rf $$cache; exit $$status
 
 test-unit: install

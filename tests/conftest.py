@@ -23,10 +23,33 @@ def root() -> Path:
     return ROOT
 
 
+# The files that take longest (`make test`'s --durations), longest first. `make test` runs two pytest processes that
+# each take whole files in this order, so the long files start at once and the short ones fill the gaps: run last,
+# one long file kept a process busy minutes after the other had finished.
+LONGEST_FIRST = (
+    "integration/test_tune.py",
+    "integration/test_train.py",
+    "integration/test_demo.py",
+    "integration/test_tune_shared.py",
+    "integration/test_train_cluster.py",
+    "integration/test_serve.py",
+    "integration/test_prepare.py",
+    "unit/test_train_step.py",
+    "integration/test_smollm2.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests under tests/integration, tests/device carry their tier's marker without repeating it."""
+    """Tests under tests/integration, tests/device carry their tier's marker without repeating it; files run
+    longest first (:data:`LONGEST_FIRST`), each file's tests in their written order."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         for tier in ("integration", "device"):
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+
+    def rank(item) -> int:
+        path = Path(str(item.fspath)).as_posix()
+        return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith(name)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)
