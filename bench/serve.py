@@ -16,8 +16,11 @@ Runs, back to back in this process:
                           tokens of the 16 streams with chunked prefill (serve.max_prefill_tokens) and with
                           every prompt prefilled whole, against the streams' gap with no long prompt
   decode                  the engine alone, batch 1: decode tokens/s over 64 and over 2,048 generated tokens
+  json                    batching on, every request constrained by a JSON schema (response_format), against
+                          the same run unconstrained (`on`, run beside it); grammar compile time of a typical
+                          tool schema (first use, cached) and the cost of one token's mask
 
-    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora,prefill,decode]
+    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora,prefill,decode,json]
 """
 
 from __future__ import annotations
@@ -50,8 +53,32 @@ def questions(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": (r["instruction"] + "\n" + r["input"]).strip()}] for r in rows[:n]]
 
 
-def load(url: str, model, clients: int, n: int, max_tokens: int = 64) -> dict:
-    """``n`` requests from ``clients`` threads; ``model`` is a name or a function of the request index."""
+# What a structured answer to an instruction looks like: the `json` run asks every request for it.
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 400},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        "topics": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+    },
+    "required": ["answer", "confidence", "topics"],
+    "additionalProperties": False,
+}
+TOOL_SCHEMA = {  # a typical tool: four arguments, an enum, a nested object
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}},
+    },
+    "required": ["city", "unit"],
+}
+
+
+def load(url: str, model, clients: int, n: int, max_tokens: int = 64, extra: dict | None = None) -> dict:
+    """``n`` requests from ``clients`` threads; ``model`` is a name or a function of the request index; ``extra``
+    joins every request's body."""
     qs = questions(n)
     lock = threading.Lock()
     latencies: list[float] = []
@@ -67,7 +94,7 @@ def load(url: str, model, clients: int, n: int, max_tokens: int = 64) -> dict:
                     return
                 i = todo.pop(0)
             name = model(i) if callable(model) else model
-            body = {"model": name, "messages": qs[i], "max_tokens": max_tokens, "temperature": 0}
+            body = {"model": name, "messages": qs[i], "max_tokens": max_tokens, "temperature": 0, **(extra or {})}
             started = time.monotonic()
             try:
                 r = requests.post(url + "/v1/chat/completions", json=body, timeout=900)
@@ -140,8 +167,9 @@ def _config(
     })  # fmt: skip
 
 
-def run_ours(cfg, clients: int, n: int, model=None, after=None) -> dict:
-    """Start our app, warm it up, run the load; ``after(url)`` may measure more before it is torn down."""
+def run_ours(cfg, clients: int, n: int, model=None, after=None, extra: dict | None = None) -> dict:
+    """Start our app, warm it up, run the load (``extra`` in every body); ``after(url)`` may measure more before it
+    is torn down."""
     import ray
     from ray import serve
 
@@ -150,9 +178,9 @@ def run_ours(cfg, clients: int, n: int, model=None, after=None) -> dict:
 
     url = start(cfg)
     name = model or served_name(cfg)
-    load(url, name, 2, 2, 8)  # warm-up
+    load(url, name, 2, 2, 8, extra)  # warm-up
     peak = Peak(ray_rss_mb)
-    out = load(url, name, clients, n)
+    out = load(url, name, clients, n, extra=extra)
     out["peak_mb"] = peak.stop()
     if after:
         out.update(after(url))
@@ -160,6 +188,44 @@ def run_ours(cfg, clients: int, n: int, model=None, after=None) -> dict:
     serve.shutdown()
     ray.shutdown()
     return out
+
+
+def structured(dtype: str, clients: int, n: int) -> dict:
+    """The `json` run: batching on with every request constrained, against the same run free, alternated twice
+    (best of each); then compile and mask costs in this process."""
+    import torch
+
+    from raylora.models import load_model
+    from raylora.serve.engine import Engine
+    from raylora.serve.structured import Grammars, grammar
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    free, json_runs = [], []
+    for _ in range(2):
+        free.append(run_ours(_config(dtype, 16), clients, n))
+        json_runs.append(run_ours(_config(dtype, 16), clients, n, extra={"response_format": fmt}))
+    model, tokenizer = load_model(_config(dtype, 16).model)
+    engine = Engine(model, tokenizer, 1, 0)
+    started = time.perf_counter()
+    grammars = Grammars(tokenizer, model.config.vocab_size, engine.eos_ids)
+    tokenizer_s = time.perf_counter() - started
+    tool = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOL_SCHEMA}}]
+    text = grammar(None, tool, "required", None, True)
+    started = time.perf_counter()
+    constraint = grammars.start(text)
+    first_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(100):
+        grammars.start(text)
+    cached_s = (time.perf_counter() - started) / 100
+    logits = torch.zeros(model.config.vocab_size)
+    started = time.perf_counter()
+    for _ in range(200):
+        constraint.mask(logits)
+    mask_s = (time.perf_counter() - started) / 200
+    engine.stop()
+    return {"free": max(free, key=lambda r: r["tok_s"]), "json": max(json_runs, key=lambda r: r["tok_s"]),
+            "tokenizer_s": tokenizer_s, "compile_first_s": first_s, "compile_cached_s": cached_s, "mask_s": mask_s}  # fmt: skip
 
 
 def run_transformers_serve(dtype: str, clients: int, n: int) -> dict:
@@ -375,7 +441,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--quantization", default="w8a8-smoothquant", choices=("none", "w8a8", "w8a8-smoothquant"))
-    p.add_argument("--runs", default="on,off,quant,hf,lora,prefill,decode", help="which runs, comma-separated")
+    p.add_argument("--runs", default="on,off,quant,hf,lora,prefill,decode,json", help="which runs, comma-separated")
     p.add_argument("--prefill-chunk", type=int, default=64, help="serve.max_prefill_tokens of the chunked run")
     args = p.parse_args()
     n, c = args.requests, args.clients
@@ -387,6 +453,7 @@ def main() -> None:
     runs["lora"] = lambda: multi_lora(args.dtype, c, n)
     runs["prefill"] = lambda: {"on": prefill_run(args.prefill_chunk, c), "off": prefill_run(None, c)}
     runs["decode"] = decode_speed
+    runs["json"] = lambda: structured(args.dtype, c, n)
     wanted = args.runs.split(",")
     results = {}
     for key in wanted:
@@ -395,6 +462,7 @@ def main() -> None:
     lora = results.pop("lora", None)
     prefill = results.pop("prefill", None)
     decode = results.pop("decode", None)
+    constrained = results.pop("json", None)
 
     print(f"\n{c} concurrent clients, 64-token answers, SmolLM2-135M-Instruct, {args.dtype}\n")
     print("| server | generated tok/s | p50 s | p99 s | peak memory MiB | requests |\n|---|---|---|---|---|---|")
@@ -438,6 +506,14 @@ def main() -> None:
             print(f"| {label} | {r['prefill_s']:.1f} | {r['calm_p99_s']:.3f} | {r['busy_p99_s']:.3f} | "
                   f"{r['busy_p99_s'] / r['calm_p99_s']:.2f}x |")  # fmt: skip
         print("target: chunked <= 3x the gap with no long prompt")
+    if constrained:
+        free, js = constrained["free"], constrained["json"]
+        print(f"\nstructured outputs, {c} clients, batching on, best of 2 alternated runs each:\n"
+              f"{row('free answers', free)}\n{row('every answer held to a JSON schema', js)}\n"
+              f"constrained / free: {js['tok_s'] / free['tok_s']:.2f}x tokens/s (target >= 0.9)\n"
+              f"llguidance: tokenizer {constrained['tokenizer_s']:.2f} s once per replica; a 4-argument tool's grammar "
+              f"compiles in {1000 * constrained['compile_first_s']:.1f} ms, {1000 * constrained['compile_cached_s']:.3f} "
+              f"ms cached; one token's mask {1000 * constrained['mask_s']:.3f} ms")  # fmt: skip
     if decode:
         a, b = sorted(decode)
         print(f"\ndecode, batch 1: {decode[a]:.1f} tok/s over {a} tokens, {decode[b]:.1f} tok/s over {b} tokens "

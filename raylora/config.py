@@ -252,6 +252,9 @@ class ServeArgs:
     max_tokens: int = _f(
         256, help="generated tokens when a request gives no max_tokens (fewer if the context has less room)", min=1
     )
+    max_schema_chars: int = _f(
+        32768, help="longest response_format JSON schema accepted, in characters of JSON; longer ones get 400", min=2
+    )
     api_key: str | None = _f(None, help="bearer key every request needs (None: env RAYLORA_API_KEY, else open)")
     admin_key: str | None = _f(
         None, help="bearer key for POST /v1/adapters (None: env RAYLORA_ADMIN_KEY, else registration is off)"
@@ -260,7 +263,7 @@ class ServeArgs:
 
 # What only serve.engine=hf reads; serve.engine=vllm refuses each one set to anything but its default.
 HF_ENGINE_KEYS = ("engine_threads", "batch_wait_ms", "max_prefill_tokens", "max_prompt_tokens", "adapter_group_size",
-                  "smoothquant_alpha", "calibration_rows")  # fmt: skip
+                  "smoothquant_alpha", "calibration_rows", "max_schema_chars")  # fmt: skip
 
 
 @dataclass

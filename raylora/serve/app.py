@@ -24,7 +24,7 @@ from raylora.serve import protocol
 from raylora.serve.adapters import install, list_local, local_adapter
 from raylora.serve.protocol import ApiError
 from raylora.serve.replica import LLMServer
-from raylora.serve.tools import CallStream, forced_prefix, split_calls
+from raylora.serve.tools import CallStream, split_calls
 from raylora.tracking import tracking_uri
 
 log = logging.getLogger("ray.serve")
@@ -222,12 +222,14 @@ class Ingress:
     async def _generate(self, request: Request, chat: bool):
         _check_key(request, self.api_key, "this endpoint")
         body = protocol.parse_body(await _read_body(request))
-        gen = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
+        limit = self.cfg.serve.max_schema_chars
+        gen = protocol.parse_chat(body, limit) if chat else protocol.parse_completion(body, limit)
         adapter = "" if gen.model == self.base else await asyncio.to_thread(self._known_adapter, gen.model)
         payload = {"messages": gen.messages, "prompt": gen.prompt, "max_tokens": gen.max_tokens,
                    "temperature": gen.temperature, "top_p": gen.top_p, "stop": list(gen.stop), "seed": gen.seed,
                    "stream": gen.stream, "tools": gen.tools, "tool_choice": gen.tool_choice,
-                   "tool_name": gen.tool_name}  # fmt: skip
+                   "tool_name": gen.tool_name, "parallel_tool_calls": gen.parallel_tool_calls,
+                   "response_format": gen.response_format}  # fmt: skip
         stream = self.llm.options(stream=True, multiplexed_model_id=adapter).generate.remote(payload)
         rid = protocol.completion_id(chat)
         first = await _next_event(stream)  # errors before the first token still get a proper status code
@@ -240,8 +242,8 @@ class Ingress:
             raise ApiError(500, events[-1]["error"], code="generation_failed")
         last = events[-1]
         text, calls = "".join(e["text"] for e in events), []
-        if gen.tool_choice != "none":  # a forced call's start is the server's, written before the model's text
-            text, calls = split_calls(forced_prefix(gen.tool_choice, gen.tool_name) + text, _names(gen))
+        if gen.tool_choice != "none":
+            text, calls = split_calls(text, _names(gen))
             calls = calls[: _most_calls(gen)]
         use = protocol.usage(last["prompt_tokens"], last["completion_tokens"])
         finish = "tool_calls" if calls else last["finish_reason"]
@@ -269,7 +271,6 @@ class Ingress:
         calls = None
         if gen.tool_choice != "none":
             calls = CallStream(_names(gen))
-            calls.feed(forced_prefix(gen.tool_choice, gen.tool_name))
         # with include_usage, OpenAI's chunks carry "usage": null until the last one, which holds the counts
         usage_field = {"usage": None} if gen.include_usage else {}
         try:

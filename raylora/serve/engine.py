@@ -8,7 +8,9 @@ onto the running batch's; finished sequences leave at once; every decode step is
 running sequences whatever adapter each uses (peft's mixed-batch ``adapter_names``). Adapter loads and
 unloads run on the same thread between turns, so a forward pass never sees the model change under it.
 Text is detokenised incrementally (tokenizers' ``DecodeStream``) and stop strings are looked for only in
-the new tail, so each token costs the same however long the answer grows.
+the new tail, so each token costs the same however long the answer grows. A request with a constraint (a JSON
+schema, forced tool calls: :mod:`raylora.serve.structured`) has its own row of logits masked before sampling; the
+other rows of the batch are untouched.
 """
 
 from __future__ import annotations
@@ -19,11 +21,26 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from tokenizers.decoders import DecodeStream
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+class Constraint(Protocol):
+    """What the engine asks of a constrained request (:class:`raylora.serve.structured.Constraint`)."""
+
+    def mask(self, logits: torch.Tensor) -> None: ...
+
+    def accept(self, token: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
 
 
 @dataclass
@@ -38,6 +55,7 @@ class GenRequest:
         top_p: nucleus sampling mass.
         stop: strings that end the answer (not included in it).
         seed: makes sampling repeatable.
+        constraint: what the answer must follow (its logits are masked), or None; one per request.
     """
 
     prompt_ids: list[int]
@@ -47,6 +65,7 @@ class GenRequest:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -284,7 +303,11 @@ class Engine:
         self._running, self._cache, self._mask, self._next = self._keep_unfinished(self._running, cache, mask, tokens)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
-        """Next token per row of ``logits`` (batch, vocab) as (batch, 1): greedy at temperature 0, else top-p."""
+        """Next token per row of ``logits`` (batch, vocab) as (batch, 1): greedy at temperature 0, else top-p; a
+        constrained request's row first loses the tokens its grammar forbids."""
+        for i, s in enumerate(seqs):
+            if s.req.constraint is not None:
+                s.req.constraint.mask(logits[i])
         tokens = logits.argmax(-1)
         for i, s in enumerate(seqs):
             if s.req.temperature > 0:
@@ -312,13 +335,21 @@ class Engine:
 
     def _advance(self, seq: _Seq, token: int) -> bool:
         """Record ``token`` for ``seq`` and send the text that is final; returns whether ``seq`` finished."""
-        stops = seq.req.stop
-        if token in self.eos_ids:
+        stops, constraint = seq.req.stop, seq.req.constraint
+        if constraint is not None:
+            constraint.accept(token)
+            if constraint.error is not None:  # the request fails, the batch goes on
+                seq.emit(Event(error=constraint.error))
+                return True
+        # Under a grammar the answer ends where the grammar does: an end id that is also text (a test model's) is text.
+        if token in self.eos_ids and (constraint is None or constraint.done):
             reason, piece = "stop", ""
         else:
             seq.ids.append(token)
             piece = seq.decoder.step(self.tokenizer._tokenizer, token) or ""  # "": half a multi-byte character
             reason = "length" if len(seq.ids) >= seq.req.max_tokens else None
+            if constraint is not None and constraint.done:  # complete: nothing may follow, not even the end token
+                reason = "stop"
         if reason is not None:
             # The stream holds back a character whose bytes are incomplete; the answer ends with it as decode() has it.
             piece = self.tokenizer.decode(seq.ids, skip_special_tokens=True)[len(seq.text) :]

@@ -14,6 +14,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
+
+from raylora.config import ServeArgs
 from raylora.data.formats import RowError, parse_tool_calls, parse_tools
 
 ROLES = ("system", "user", "assistant", "tool")  # and "developer", read as system
@@ -67,6 +70,7 @@ class Generation:
     tool_choice: str = "none"
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None  # json_object or json_schema; None: text
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -74,9 +78,10 @@ class Generation:
 _DEFAULT_ONLY = {
     "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "suffix": (None, ""),
 }  # fmt: skip
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user"}
+_COMMON |= {"response_format"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}
 CHAT_FIELDS |= _DEFAULT_ONLY.keys() - {"echo", "best_of", "suffix"}
 COMPLETION_FIELDS = _COMMON | {"prompt"} | {"n", "logprobs", "logit_bias", "echo", "best_of", "suffix"}
@@ -103,13 +108,14 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def parse_chat(body: dict) -> Generation:
-    """Validate a ``POST /v1/chat/completions`` body (:class:`ApiError` 400 names the first bad field)."""
+def parse_chat(body: dict, max_schema_chars: int = ServeArgs.max_schema_chars) -> Generation:
+    """Validate a ``POST /v1/chat/completions`` body (:class:`ApiError` 400 names the first bad field); a
+    ``response_format`` schema may be ``max_schema_chars`` long as JSON."""
     _check_fields(body, CHAT_FIELDS)
     messages = _required(body, "messages", list)
     if not messages:
         raise ApiError(400, "'messages' must hold at least one message", "messages")
-    gen = _common(body, messages=[_message(m, i) for i, m in enumerate(messages)])
+    gen = _common(body, max_schema_chars, messages=[_message(m, i) for i, m in enumerate(messages)])
     _check_tool_results(gen.messages)
     if body.get("max_completion_tokens") is not None:
         gen.max_tokens = _int(body, "max_completion_tokens", 1)
@@ -156,7 +162,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
     return tools, choice, None
 
 
-def parse_completion(body: dict) -> Generation:
+def parse_completion(body: dict, max_schema_chars: int = ServeArgs.max_schema_chars) -> Generation:
     """Validate a ``POST /v1/completions`` body; the prompt is one string (or a list holding one)."""
     _check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
@@ -164,7 +170,7 @@ def parse_completion(body: dict) -> Generation:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "'prompt' must be a non-empty string (one prompt per request)", "prompt")
-    return _common(body, prompt=prompt)
+    return _common(body, max_schema_chars, prompt=prompt)
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -175,7 +181,7 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             raise ApiError(400, f"{key}={value!r} is not supported by this server; omit it", key, "unsupported_value")
 
 
-def _common(body: dict, **kind: Any) -> Generation:
+def _common(body: dict, max_schema_chars: int, **kind: Any) -> Generation:
     gen = Generation(model=_required(body, "model", str), **kind)
     if not gen.model:
         raise ApiError(400, "'model' must not be empty", "model")
@@ -206,7 +212,42 @@ def _common(body: dict, **kind: Any) -> Generation:
         gen.include_usage = bool(_required(options, "include_usage", bool)) if options else False
     if body.get("user") is not None:
         _required(body, "user", str)
+    if body.get("response_format") is not None:
+        gen.response_format = _response_format(body["response_format"], max_schema_chars)
     return gen
+
+
+def _response_format(value: Any, max_schema_chars: int) -> dict | None:
+    """``None`` for text, else ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
+    "schema", ...}}`` with a valid JSON Schema (draft 2020-12) of at most ``max_schema_chars`` as JSON."""
+    shape = ("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+             "'json_schema': {'name': ..., 'schema': {...}, 'strict': true}}")  # fmt: skip
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema") or set(value) - {"type", "json_schema"}:
+        raise ApiError(400, f"{shape}, got {value!r}", "response_format", "invalid_value")
+    if kind != "json_schema":
+        return None if kind == "text" else {"type": kind}
+    spec = value.get("json_schema")
+    if not (isinstance(spec, dict) and isinstance(spec.get("name"), str) and spec["name"]) or set(spec) - {
+        "name",
+        "schema",
+        "strict",
+        "description",
+    }:
+        raise ApiError(400, f"{shape}, got {value!r}", "response_format.json_schema", "invalid_value")
+    schema = spec.get("schema", {"type": "object"})
+    param = "response_format.json_schema.schema"
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{param} must be a JSON Schema object, got {type(schema).__name__}", param)
+    size = len(json.dumps(schema))
+    if size > max_schema_chars:
+        raise ApiError(400, f"{param} is {size} characters of JSON; this server takes at most {max_schema_chars} "
+                       "(serve.max_schema_chars)", param, "schema_too_large")  # fmt: skip
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise ApiError(400, f"{param} is not a valid JSON Schema: {e.message}", param, "invalid_schema") from None
+    return {"type": "json_schema", "json_schema": {**spec, "schema": schema}}
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:

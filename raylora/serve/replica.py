@@ -30,7 +30,7 @@ from raylora.serve.adapters import fetch_registered, local_adapter
 from raylora.serve.bank import AdapterBank
 from raylora.serve.engine import Engine, Event, GenRequest, joined
 from raylora.serve.protocol import ApiError
-from raylora.serve.tools import forced_prefix
+from raylora.serve.structured import Grammars, grammar
 from raylora.tracking import tracking_uri
 
 
@@ -82,6 +82,7 @@ class LLMServer:
                              cfg.serve.max_prefill_tokens)  # fmt: skip
         self.root = Path(cfg.serve.adapter_root).resolve()
         self.bank = AdapterBank(self.engine, self.base, cfg.serve, bool(self.quantization))
+        self.grammars: Grammars | None = None  # built at the first constrained request
 
         async def adapter(name: str) -> _Held:  # Serve keeps its LRU on a function, not on a bound method
             return await self._load(name)
@@ -105,12 +106,9 @@ class LLMServer:
         """Serve's LRU evicted ``name``."""
         self.bank.release(name)
 
-    def render(
-        self, messages: list[dict] | None, prompt: str | None, tools: list[dict] | None = None, answer_start: str = ""
-    ) -> list[int]:
+    def render(self, messages: list[dict] | None, prompt: str | None, tools: list[dict] | None = None) -> list[int]:
         """Prompt token ids: a conversation (and the functions it may call) through the chat template, as training
-        renders it (:meth:`~raylora.data.encode.Encoder.template_view`), then ``answer_start`` (the beginning of a
-        forced tool call); or a completion prompt as is.
+        renders it (:meth:`~raylora.data.encode.Encoder.template_view`); or a completion prompt as is.
 
         Raises:
             ApiError: 400 when the chat template refuses the conversation (``raise_exception``).
@@ -119,26 +117,35 @@ class LLMServer:
             return self.tokenizer(prompt).input_ids
         view, _, tools = self.encoder.template_view(Conversation(messages, tools))
         try:
-            text = self.encoder.render(view, add_generation_prompt=True, tools=tools) + answer_start
+            text = self.encoder.render(view, add_generation_prompt=True, tools=tools)
         except TemplateError as e:  # templates refuse some conversations (Llama 3.1: one tool call a turn)
             raise ApiError(400, f"this model's chat template refuses the conversation: {e}", "messages",
                            "invalid_value") from None  # fmt: skip
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def answer_start(self, request: dict) -> str:
-        """The start of a forced tool call (:func:`~raylora.serve.tools.forced_prefix`); ``""`` when not forced.
+    def structure(self, request: dict) -> str | None:
+        """The grammar the answer must follow (:func:`~raylora.serve.structured.grammar`), or ``None``.
 
         Raises:
-            ApiError: 400 when this model's template does not write calls in the Hermes format.
+            ApiError: 400 when calls must be written and this model's template writes them in a format other than
+                the Hermes ``<tool_call>`` JSON the grammar writes.
         """
-        start = forced_prefix(request["tool_choice"], request["tool_name"])
-        if start and not self.hermes_calls:
+        forced = request["tool_choice"] in ("required", "function")
+        calls = forced or (request["tool_choice"] == "auto" and request["response_format"] is not None)
+        if calls and not self.hermes_calls:
             raise ApiError(
-                400, f"tool_choice={request['tool_choice']!r} forces a call by writing its start, and this model's chat "
-                "template writes calls in a format other than <tool_call> JSON: use tool_choice 'auto'",
-                "tool_choice", "unsupported_value",
+                400, f"tool_choice={request['tool_choice']!r} with this request holds the answer to <tool_call> JSON "
+                "calls, and this model's chat template writes calls in another format: use tool_choice 'auto' "
+                "without response_format", "tool_choice", "unsupported_value",
             )  # fmt: skip
-        return start
+        return grammar(request["response_format"], request["tools"], request["tool_choice"], request["tool_name"],
+                       request["parallel_tool_calls"])  # fmt: skip
+
+    def constraint(self, text: str):
+        """A fresh constraint following grammar ``text``; the first builds the replica's :class:`Grammars`."""
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.base.config.vocab_size, self.engine.eos_ids)
+        return self.grammars.start(text)
 
     def check_chars(self, request: dict, field: str) -> None:
         """Refuse, before tokenising it, a prompt with more characters than the longest prompt accepted can hold.
@@ -191,9 +198,10 @@ class LLMServer:
         """Stream :class:`Event` dicts for one request.
 
         Args:
-            request: ``messages`` (and ``tools``) or ``prompt``, ``max_tokens`` (None: serve.max_tokens), ``temperature``,
-                ``top_p``, ``stop``, ``seed``, ``stream`` (False: one event, the whole answer); the adapter is
-                the multiplexed model id (empty: the base).
+            request: ``messages`` (and ``tools``, ``tool_choice``, ``tool_name``, ``parallel_tool_calls``) or
+                ``prompt``, ``max_tokens`` (None: serve.max_tokens), ``temperature``, ``top_p``, ``stop``, ``seed``,
+                ``response_format``, ``stream`` (False: one event, the whole answer); the adapter is the multiplexed
+                model id (empty: the base).
         A refused request (400 ``context_length_exceeded``, see :meth:`check_chars` and :meth:`budget`; an adapter
         error with its status) is one event ``{"refused": {status, message, param, code, type}}``.
         """
@@ -226,13 +234,14 @@ class LLMServer:
         """Render, check and submit one request (its adapter loaded first); returns its sequence and event queue."""
         field = "prompt" if request["messages"] is None else "messages"
         self.check_chars(request, field)
-        start = self.answer_start(request) if request["messages"] is not None else ""
-        ids = self.render(request["messages"], request["prompt"], request["tools"], start)
+        ids = self.render(request["messages"], request["prompt"], request["tools"])
         max_tokens = self.budget(len(ids), request["max_tokens"], field)
+        text = self.structure(request)
+        constraint = await asyncio.to_thread(self.constraint, text) if text else None  # compiling may take 100 ms
         if adapter:
             await self._adapter(adapter)
         req = GenRequest(ids, adapter, max_tokens, request["temperature"], request["top_p"], tuple(request["stop"]),
-                         request["seed"])  # fmt: skip
+                         request["seed"], constraint)  # fmt: skip
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         seq = self.engine.submit(req, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))

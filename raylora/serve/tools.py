@@ -4,8 +4,8 @@ raylora's Hermes fallback (:mod:`raylora.templates`), and the Qwen2.5, Qwen3 and
 call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` after any text; Llama 3.x templates
 write a call as the whole answer, a JSON object ``{"name": ..., "parameters": {...}}``. Calls come out in
 OpenAI's shape (``{"id", "type": "function", "function": {"name", "arguments": JSON text}}``); an answer that
-holds no well-formed call stays text. A forced ``tool_choice`` (a call, or a call of one function) is
-written by the server as the start of the answer (:func:`forced_prefix`); the model completes it.
+holds no well-formed call stays text. A forced ``tool_choice`` (a call, or a call of one function) holds the
+answer to calls in the Hermes format (:mod:`raylora.serve.structured`).
 """
 
 from __future__ import annotations
@@ -16,17 +16,6 @@ import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
-
-
-def forced_prefix(choice: str, name: str | None) -> str:
-    """What the server writes as the start of the answer for a forced ``tool_choice`` (empty for ``auto`` and
-    ``none``): a call (``required``) or a call of ``name`` (``function``), begun as the Hermes format begins it,
-    so the model writes the rest. Only for templates that write calls that way (``Encoder.writes_hermes_calls``)."""
-    if choice == "required":
-        return OPEN + '\n{"name": "'
-    if choice == "function":  # no space after the colon: training has it in the token that opens the arguments
-        return OPEN + f'\n{{"name": "{name}", "arguments":'
-    return ""
 
 
 def split_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:

@@ -77,9 +77,9 @@ def client(server):
     return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def _reference(adapter_dir, messages, max_tokens: int, tools: list | None = None, start: str = "") -> tuple[str, int]:
+def _reference(adapter_dir, messages, max_tokens: int, tools: list | None = None) -> tuple[str, int]:
     """What the plain model (+ peft adapter) generates greedily, and the prompt's token count (rendered as
-    training renders a conversation with ``tools``, then the answer's forced ``start``)."""
+    training renders a conversation with ``tools``)."""
     from peft import PeftModel
 
     tok = tiny_tokenizer()
@@ -88,7 +88,7 @@ def _reference(adapter_dir, messages, max_tokens: int, tools: list | None = None
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     encoder = Encoder(tokenizer_spec(tok, "auto"), 128, "tail", False)
     view, _, tools = encoder.template_view(Conversation(messages, tools))
-    text = encoder.render(view, add_generation_prompt=True, tools=tools) + start
+    text = encoder.render(view, add_generation_prompt=True, tools=tools)
     ids = tok(text, add_special_tokens=False).input_ids
     out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return tok.decode(out[0, len(ids) :], skip_special_tokens=True), len(ids)
@@ -151,6 +151,38 @@ def test_streaming_with_the_openai_client_and_plain_http(server, client):
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+CITIES = ["Paris", "Rome", "Oslo"]
+PICK = {"type": "function", "function": {"name": "pick_city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": CITIES}}, "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+
+def test_structured_outputs_with_the_openai_clients_parse(server, client):
+    """A random tiny model answers in the schema every time: constrained decoding, on an adapter and the base."""
+    from typing import Literal
+
+    import pydantic
+
+    class Forecast(pydantic.BaseModel):
+        city: Literal["Paris", "Rome", "Oslo"]
+        days: Literal[1, 2, 3]
+        sunny: bool
+
+    for model in ("beta", "tiny-llama"):
+        out = client.chat.completions.parse(model=model, messages=QUESTION, response_format=Forecast, max_tokens=64,
+                                            temperature=0)  # fmt: skip
+        assert isinstance(out.choices[0].message.parsed, Forecast) and out.choices[0].finish_reason == "stop"
+    schema = Forecast.model_json_schema() | {"additionalProperties": False}  # as parse() sends it: no other keys
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema}}
+    chunks = list(client.chat.completions.create(model="beta", messages=QUESTION, response_format=fmt, max_tokens=64,
+                                                 temperature=0.8, seed=3, stream=True))  # fmt: skip
+    Forecast.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    text = client.completions.create(model="tiny-llama", prompt="json:", max_tokens=64, temperature=0,
+                                     extra_body={"response_format": fmt}).choices[0].text  # fmt: skip
+    Forecast.model_validate_json(text)
+    unenforceable = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="beta", messages=QUESTION, response_format=unenforceable)
+    assert e.value.body["param"] == "response_format" and e.value.body["code"] == "unsupported_schema"
 
 
 def test_a_tool_loop_with_the_openai_client(server, client):
@@ -173,13 +205,21 @@ def test_a_tool_loop_with_the_openai_client(server, client):
     chunks = list(client.chat.completions.create(model="alpha", messages=loop, tools=[WEATHER], max_tokens=8,
                                                  temperature=0, stream=True))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
-    # a forced call: the server writes its start, the model the rest (this random model breaks the JSON: text)
-    start = '<tool_call>\n{"name": "get_weather", "arguments":'
-    expected, prompt_tokens = _reference(server["root"] / "alpha", QUESTION, 8, [WEATHER], start)
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    out = client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER], tool_choice=named,
-                                         max_tokens=8, temperature=0)  # fmt: skip
-    assert (out.choices[0].message.content, out.usage.prompt_tokens) == (start + expected, prompt_tokens)
+    # a forced call is held to its tool's schema by constrained decoding: a valid call whatever the model, streamed alike
+    named = {"type": "function", "function": {"name": "pick_city"}}
+    out = client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER, PICK], tool_choice=named,
+                                         max_tokens=64, temperature=0)  # fmt: skip
+    [call] = out.choices[0].message.tool_calls
+    assert (call.function.name, out.choices[0].finish_reason, out.choices[0].message.content) == (
+        "pick_city", "tool_calls", None)  # fmt: skip
+    assert json.loads(call.function.arguments)["city"] in CITIES
+    chunks = list(client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER, PICK],
+                                                 tool_choice=named, max_tokens=64, temperature=0, stream=True))  # fmt: skip
+    [streamed] = [
+        t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls
+    ]
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="alpha", messages=QUESTION, tools=[WEATHER], tool_choice="any")
     assert e.value.body["param"] == "tool_choice" and e.value.body["code"] == "invalid_value"
@@ -283,6 +323,25 @@ def test_keys_are_required(server):
         ({"model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
         ({"model": "too-big", "messages": QUESTION}, 422, "model"),
         ({"model": "other-base", "messages": QUESTION}, 422, "model"),
+        (
+            {
+                "model": "tiny-llama",
+                "messages": QUESTION,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
+            },
+            400,
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "model": "tiny-llama",
+                "messages": QUESTION,
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            },
+            400,
+            "tool_choice",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, param):

@@ -1,13 +1,20 @@
+import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
 from raylora import model_files
 from raylora.config import ModelArgs
+from raylora.data.encode import Encoder, tokenizer_spec
+from raylora.data.formats import Conversation
 from raylora.generation import generate
 from raylora.model_files import SMOLLM2, cache_root, check_cache
 from raylora.models import load_model
+from raylora.serve.engine import Engine, GenRequest, wait_for
+from raylora.serve.structured import Grammars, grammar
+from raylora.serve.tools import split_calls
 
 pytestmark = pytest.mark.slow
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -92,3 +99,36 @@ def test_piecewise_tokenisation_matches_the_smollm2_tokenizer_on_the_shared_samp
     ]
     assert len(pieces.memo) >= 3
     assert len(pieces.encode_pieces.memo) > 1000
+
+
+def test_smollm2_calls_the_forced_tool_and_answers_in_the_schema():
+    """The issue's case: tool_choice "required" on the base SmolLM2 gave text and finish_reason "length"."""
+    model, tokenizer = load_model(ModelArgs())
+    engine = Engine(model.eval(), tokenizer, 4, 0)
+    grammars = Grammars(tokenizer, model.config.vocab_size, engine.eos_ids)
+    encoder = Encoder(tokenizer_spec(tokenizer, "auto"), 2048, "tail", False)
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                              "required": ["city"]}}}  # fmt: skip
+
+    def ask(text: str, tools=None, structure=None, max_tokens=96):
+        view, _, shown = encoder.template_view(Conversation([{"role": "user", "content": text}], tools))
+        ids = tokenizer(encoder.render(view, add_generation_prompt=True, tools=shown), add_special_tokens=False)
+        return wait_for(
+            engine, GenRequest(ids.input_ids, None, max_tokens, 0, 1.0, (), None, grammars.start(structure))
+        )
+
+    try:
+        event = ask("What is the weather in Paris? Use the tool.", [weather], grammar(None, [weather], "required",
+                                                                                      None, False))  # fmt: skip
+        content, [call] = split_calls(event.text, {"get_weather"})
+        assert event.finish_reason == "stop" and content is None and call["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), weather["function"]["parameters"])
+        place = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                 "country": {"type": "string", "maxLength": 40}}, "required": ["city", "country"]}  # fmt: skip
+        fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": place}}
+        event = ask("Name a big city and its country.", structure=grammar(fmt, None, "none", None, True))
+        assert event.finish_reason == "stop"
+        jsonschema.validate(json.loads(event.text), place)
+    finally:
+        engine.stop()

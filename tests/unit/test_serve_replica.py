@@ -147,20 +147,18 @@ def test_a_tool_conversation_is_rendered_as_training_renders_it(replica):
     assert TOK.decode(server.render(messages[:1], None)) == "<|im_start|>user\ntime?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_forced_call_starts_the_answer_only_where_the_template_writes_hermes_calls(replica):
+def test_a_forced_call_is_held_to_hermes_calls_only_where_the_template_writes_them(replica):
     import dataclasses
 
     from raylora.data.encode import Encoder, tokenizer_spec
     from raylora.templates import CHATML
 
     server, _, _ = replica
-    request = {"tool_choice": "function", "tool_name": "get_time"}
-    start = server.answer_start(request)
-    assert start == '<tool_call>\n{"name": "get_time", "arguments":'
-    assert TOK.decode(server.render([{"role": "user", "content": "t"}], None, None, start)).endswith(
-        "<|im_start|>assistant\n" + start
-    )
-    assert server.answer_start({"tool_choice": "auto", "tool_name": None}) == ""
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    request = {"tool_choice": "function", "tool_name": "get_time", "tools": [tool], "response_format": None,
+               "parallel_tool_calls": True}  # fmt: skip
+    assert '"<tool_call>\\n"' in server.structure(request) and '"const": "get_time"' in server.structure(request)
+    assert server.structure({**request, "tool_choice": "auto", "tool_name": None}) is None
     # a template that shows tools itself and writes calls its own way (as Llama 3.1's writes bare JSON)
     own = CHATML.replace(
         "message['content']", "message['content'] + (message['tool_calls'] | tojson if message['tool_calls'] else '')"
@@ -171,8 +169,10 @@ def test_a_forced_call_starts_the_answer_only_where_the_template_writes_hermes_c
     server.hermes_calls = False
     try:
         with pytest.raises(ApiError) as e:
-            server.answer_start(request)
+            server.structure(request)
         assert (e.value.status, e.value.param, e.value.code) == (400, "tool_choice", "unsupported_value")
+        schema = {"type": "json_object"}
+        assert server.structure({**request, "tool_choice": "none", "tools": None, "response_format": schema})
     finally:
         server.hermes_calls = hermes
 

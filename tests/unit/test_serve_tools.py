@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from raylora.serve.tools import CallStream, forced_prefix, split_calls
+from raylora.serve.tools import CallStream, split_calls
 from raylora.templates import hermes_tool_call
 
 NAMES = {"get_weather", "get_time"}
@@ -95,17 +95,3 @@ def test_text_before_a_call_goes_out_as_it_comes():
     sent, rest, calls = _stream("Let me look that up for you. " + hermes_tool_call(_call("get_time")), 5)
     assert sent[:2] == ["Let m", "e loo"] and "".join(sent) == "Let me look that up for you. "
     assert rest == "" and _plain(calls) == [("get_time", {})]
-
-
-def test_a_forced_call_is_the_start_of_the_format_the_model_learned():
-    whole = hermes_tool_call(_call("get_time", zone="UTC"))
-    for choice, name in (("function", "get_time"), ("required", None)):
-        start = forced_prefix(choice, name)
-        assert whole.startswith(start)
-        assert _plain(split_calls(start + whole[len(start) :], NAMES)[1]) == [("get_time", {"zone": "UTC"})]
-        stream = CallStream(NAMES)
-        assert stream.feed(start) == "" and stream.feed(whole[len(start) :]) == ""
-        assert _plain(stream.finish()[1]) == [("get_time", {"zone": "UTC"})]
-    assert forced_prefix("auto", None) == forced_prefix("none", None) == ""
-    # a model that breaks the format: its answer, from the forced start on, is text
-    assert split_calls(forced_prefix("required", None) + "oops", NAMES) == ('<tool_call>\n{"name": "oops', [])

@@ -302,7 +302,7 @@ def test_rays_llm_server_still_takes_the_injected_loader():
 @pytest.mark.parametrize(
     ("key", "value"),
     [("engine_threads", 1), ("batch_wait_ms", 1.0), ("max_prefill_tokens", 128), ("max_prompt_tokens", 100),
-     ("adapter_group_size", 64), ("smoothquant_alpha", 0.8), ("calibration_rows", 8)],
+     ("adapter_group_size", 64), ("smoothquant_alpha", 0.8), ("calibration_rows", 8), ("max_schema_chars", 1000)],
 )  # fmt: skip
 def test_keys_only_the_hf_engine_reads_are_refused_under_vllm_with_the_reason(job, key, value):
     assert getattr(job.serve, key) != value
