@@ -67,8 +67,23 @@ def test_the_shipped_serving_config_quantises_smollm2_and_still_answers(root, mo
     ids = tokenizer(encoder.render(question, add_generation_prompt=True), add_special_tokens=False).input_ids
     engine = Engine(model, tokenizer, 4, 0)
     answer = wait_for(engine, GenRequest(ids, max_tokens=16, temperature=0))
-    engine.stop()
     assert "Paris" in answer.text
+    # constrained decoding on the W8A8 base: a named call, and any JSON object
+    grammars = Grammars(tokenizer, model.config.vocab_size, engine.eos_ids)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}}}  # fmt: skip
+    view, _, shown = encoder.template_view(Conversation([{"role": "user", "content": "Weather in Paris?"}], [weather]))
+    ids = tokenizer(encoder.render(view, add_generation_prompt=True, tools=shown), add_special_tokens=False).input_ids
+    constraint = grammars.start(grammar(None, [weather], "function", "get_weather", True))
+    event = wait_for(engine, GenRequest(ids, None, 96, 0, 1.0, (), None, constraint))
+    [call] = split_calls(event.text, {"get_weather"})[1]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), weather["function"]["parameters"])
+    question = [{"role": "user", "content": "Give the capital of France as a JSON object."}]
+    ids = tokenizer(encoder.render(question, add_generation_prompt=True), add_special_tokens=False).input_ids
+    constraint = grammars.start(grammar({"type": "json_object"}, None, "none", None, True))
+    event = wait_for(engine, GenRequest(ids, None, 96, 0, 1.0, (), None, constraint))
+    engine.stop()
+    assert event.finish_reason == "stop" and isinstance(json.loads(event.text), dict)
 
 
 def test_piecewise_tokenisation_matches_the_smollm2_tokenizer_on_the_shared_samples():
