@@ -27,15 +27,18 @@ def root() -> Path:
 # each take whole files in this order, so the long files start at once and the short ones fill the gaps: run last,
 # one long file kept a process busy minutes after the other had finished.
 LONGEST_FIRST = (
-    "integration/test_tune.py",
     "integration/test_train.py",
+    "integration/test_tune.py",
     "integration/test_demo.py",
     "integration/test_tune_shared.py",
     "integration/test_train_cluster.py",
     "integration/test_serve.py",
-    "integration/test_prepare.py",
-    "unit/test_train_step.py",
+    "integration/test_cluster_address.py",
     "integration/test_smollm2.py",
+    "integration/test_prepare.py",
+    "integration/test_serve_cli.py",
+    "integration/test_first_conversion.py",
+    "integration/test_quickstart.py",
 )
 
 
