@@ -53,7 +53,7 @@ def _schema_of(response_format: dict | None) -> dict | None:
         return None
     if response_format["type"] == "json_object":
         return {"type": "object"}
-    return response_format["json_schema"].get("schema", {"type": "object"})
+    return response_format["json_schema"]["schema"]  # protocol fills in an absent schema
 
 
 def _calls(tools: list[dict], many: bool) -> str:
@@ -124,8 +124,8 @@ class Constraint:
 
     @property
     def done(self) -> bool:
-        """Whether the answer is complete (nothing may follow, not even more whitespace)."""
-        return self.matcher.is_stopped() and self.error is None
+        """Whether the grammar takes nothing more: the answer is complete unless :attr:`error` says otherwise."""
+        return self.matcher.is_stopped()
 
     @property
     def error(self) -> str | None:
