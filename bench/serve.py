@@ -195,8 +195,8 @@ def structured(dtype: str, clients: int, n: int) -> dict:
     (best of each); then compile and mask costs in this process."""
     import torch
 
+    from raylora.generation import Engine
     from raylora.models import load_model
-    from raylora.serve.engine import Engine
     from raylora.serve.structured import Grammars, grammar
 
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
@@ -407,8 +407,8 @@ def prefill_run(chunk: int | None, clients: int, long_tokens: int = 4000) -> dic
 def decode_speed(lengths=(64, 2048)) -> dict:
     """Decode tokens/s of the engine alone at batch 1 (end of sequence ignored), over each answer length."""
     from raylora.config import ModelArgs
+    from raylora.generation import Engine, GenRequest
     from raylora.models import load_model
-    from raylora.serve.engine import Engine, GenRequest
 
     model, tok = load_model(ModelArgs(name_or_path=MODEL))
     engine = Engine(model.eval(), tok, max_batch_size=1, batch_wait_s=0, threads=1)

@@ -22,6 +22,7 @@ COMMANDS = {
     "train": "LoRA fine-tune on N workers with Ray Train",
     "tune": "search LoRA rank, alpha, learning rate (any lora.* / train.* key) with Ray Tune and ASHA",
     "export": "write a merged or quantised model folder",
+    "eval": "answer an eval set with the base model and many adapters at once (Ray Data), score and compare them",
     "serve": "serve the base model and adapters over an OpenAI-compatible HTTP API",
     "plan": "predict step time and scaling efficiency on 1 to 256 cards, with and without gradient compression",
     "demo": "the main job end to end: prepare, train and sweep on a local Ray cluster, serve the best adapter, "
@@ -111,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             except ServeSetupError as e:
                 print(f"raylora serve: {e}", file=sys.stderr)
                 return 2
+        elif args.command == "eval":
+            from raylora.eval.run import evaluate  # after parsing: see top
+
+            evaluate(cfg, args.config)
         elif args.command == "plan":
             run_plan(cfg, args)
         elif args.command == "tune":

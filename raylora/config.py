@@ -279,6 +279,52 @@ class ExportArgs:
 
 
 @dataclass
+class EvalArgs:
+    candidates: list[str] = _f(
+        help="what answers: base (the base model), adapter folders, models:/NAME/VERSION (MLflow registry), or a "
+        "sweep's output folder (every completed trial)",
+        factory=lambda: ["base"],
+        nonempty=True,
+    )
+    sources: list[SourceArgs] = _f(
+        help="the eval set, in any format data.sources takes (empty: the held-out split of data.sources); the "
+        "reference is each row's last assistant turn, or its tool calls",
+        factory=list,
+    )
+    max_rows: int | None = _f(None, help="score at most this many rows of the eval set (None: all)", min=1)
+    max_tokens: int = _f(64, help="generated tokens per answer at most", min=1)
+    temperature: float = _f(0.0, help="sampling temperature (0: greedy)", min=0.0)
+    top_p: float = _f(1.0, help="nucleus sampling mass", gt=0.0, max=1.0)
+    stop: list[str] = _f(help="strings that end an answer", factory=list)
+    seed: int = _f(0, help="sampling seed of each answer (with temperature > 0)")
+    metrics: list[str] = _f(
+        help="scores per candidate: exact_match, contains, rouge-1, rouge-2, rouge-l, bleu-4 (as LLaMA-Factory's "
+        "predict reports them), tool_name, tool_args, tool_json, length, reference_loss (cross-entropy per token of "
+        "the reference answer)",
+        factory=lambda: list(METRICS),
+        nonempty=True,
+    )
+    keys: list[str] = _f(
+        help="key strings: a row's keys are those its reference contains, and 'contains' scores answers holding "
+        "all of them (with key_pattern)",
+        factory=list,
+    )
+    key_pattern: str | None = _f(None, help="a regular expression: its matches in a row's reference are keys too")
+    actors_per_node: int = _f(1, help="generation actors per Ray node, each holding one copy of the base", min=1)
+    cpus_per_actor: float = _f(1.0, help="CPUs each generation actor takes (and its torch threads)", gt=0)
+    batch_rows: int = _f(
+        64, help="rows handed to an actor at once (its engine decodes serve.max_batch_size of them together)", min=1
+    )
+    output_dir: str = _f("outputs/eval", help="where answers.jsonl, rejects.jsonl, report.md/.json and the chart go",
+                         nonempty=True)  # fmt: skip
+
+
+# The metrics `raylora eval` computes (raylora.eval.metrics), in the order reports show them.
+METRICS = ("exact_match", "contains", "rouge-1", "rouge-2", "rouge-l", "bleu-4", "tool_name", "tool_args",
+           "tool_json", "length", "reference_loss")  # fmt: skip
+
+
+@dataclass
 class TrackingArgs:
     enabled: bool = _f(True, help="log to MLflow")
     uri: str | None = _f(None, help="MLflow tracking URI (None: sqlite file mlflow.db in the working folder)")
@@ -321,6 +367,7 @@ class JobConfig:
     tune: TuneArgs = _f(help="sweeps", factory=TuneArgs)
     serve: ServeArgs = _f(help="serving", factory=ServeArgs)
     export: ExportArgs = _f(help="merged or quantised model folders", factory=ExportArgs)
+    eval: EvalArgs = _f(help="answers scored against references (raylora eval)", factory=EvalArgs)
     tracking: TrackingArgs = _f(help="MLflow", factory=TrackingArgs)
     backend: BackendArgs = _f(help="device", factory=BackendArgs)
 

@@ -1,20 +1,22 @@
 """``raylora demo CONFIG``: the main job end to end, from raw data to a served, better model, through Ray.
 
-Six stages, each timed, each calling the existing commands (nothing here trains, exports or serves by itself):
+Six stages, each timed, each calling the existing commands (nothing here trains, evaluates, exports or serves by
+itself):
 
-1. prepare   ``raylora prepare``: Ray Data tokenises, masks and packs the data; the eval split is the held-out
-             slice, whose identity questions (rows whose answer names ``data.placeholders.name``) are asked later;
-2. before    the base model answers the held-out questions in this process; its eval loss on the eval split;
-3. train     ``ray start --head`` on 127.0.0.1 (dashboard included), then ``ray job submit`` of ``jobs/train.py``
+1. prepare   ``raylora prepare``: Ray Data tokenises, masks and packs the data; the eval split is the held-out slice;
+2. train     ``ray start --head`` on 127.0.0.1 (dashboard included), then ``ray job submit`` of ``jobs/train.py``
              with the config's workers, its log streamed;
-4. sweep     ``ray job submit`` of ``jobs/tune.py``: the ``tune.space`` sweep, the best adapter registered in MLflow;
+3. sweep     ``ray job submit`` of ``jobs/tune.py``: the ``tune.space`` sweep, the best adapter registered in MLflow;
+4. eval      ``ray job submit`` of ``jobs/eval.py``: the base model and every completed trial answer the held-out
+             questions together (on the base the demo serves), scored against the references;
 5. serve     ``raylora export`` (``export.quantization``, e.g. a W8A8 SmoothQuant base), ``ray job submit`` of
-             ``jobs/serve.py`` on that base, ``POST /v1/adapters`` of ``models:/NAME/latest``, the same questions
-             through the OpenAI-compatible endpoint;
-6. report    the before/after table (answers, exact match, eval loss, tokens/s) and where to look.
+             ``jobs/serve.py`` on that base, ``POST /v1/adapters`` of ``models:/NAME/latest``, the identity
+             questions through the OpenAI-compatible endpoint;
+6. report    the before/after table (the eval's scores of the base and the sweep's best, every trial's beside them),
+             each identity question's answers, and where to look.
 
 Everything lands in ``train.output_dir``: ``job.yaml`` (the config every stage ran, paths absolute), ``train/``,
-``sweep/``, ``export/``, ``adapters/``, ``logs/<stage>.log`` and ``report.md`` / ``report.json``. A failed stage
+``sweep/``, ``eval/``, ``export/``, ``adapters/``, ``logs/<stage>.log`` and ``report.md`` / ``report.json``. A failed stage
 stops the demo with exit code 1, naming the stage and its log. The cluster the demo started is stopped at the
 end unless ``KEEP_SERVING=1``.
 """
@@ -39,27 +41,24 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import yaml
 
-from raylora.backends import resolve_backend
 from raylora.cluster import stop_cluster
 from raylora.config import ConfigError, JobConfig, to_dict
-from raylora.data.packs import PackShard
-from raylora.data.sources import held_out_conversations
-from raylora.generation import answer
-from raylora.models import load_model
 from raylora.ports import free_port, port_holder
 from raylora.tracking import tracking_uri
-from raylora.train.lm import LossModel
-from raylora.train.loop import evaluate
 from raylora.tune import space
 
-STAGES = ("prepare", "before", "train", "sweep", "serve", "report")
-MAX_NEW_TOKENS = 64  # the identity answers are one or two sentences; general answers are cut here on both sides
-GENERAL_QUESTIONS = 2  # held-out rows that are not identity questions, asked to show the model kept its manners
-OUTPUT_PARTS = ("train", "sweep", "export", "adapters", "logs", "report.md", "report.json", "job.yaml")
+STAGES = ("prepare", "train", "sweep", "eval", "serve", "report")
+OUTPUT_PARTS = ("train", "sweep", "eval", "export", "adapters", "logs", "report.md", "report.json", "job.yaml")
+SHOWN = ("exact_match", "contains", "rouge-l", "bleu-4", "reference_loss")  # the table's rows, of the eval's metrics
+METRIC_LABELS = {
+    "exact_match": "exact match (every held-out question)",
+    "contains": "identity answers naming whom the reference names",
+    "rouge-l": "ROUGE-L",
+    "bleu-4": "BLEU-4",
+    "reference_loss": "loss of the reference answers",
+}
 
 
 class DemoError(RuntimeError):
@@ -79,11 +78,13 @@ def check_demo(cfg: JobConfig, source: str = "config") -> None:
         problems.append(("tracking.enabled", "must be true: the sweep registers the best adapter in MLflow's registry, "
                                              "and the server installs it from there"))  # fmt: skip
     if not (cfg.data.eval_fraction or cfg.data.eval_count):
-        problems.append(("data.eval_fraction", "must be above 0 (or set data.eval_count): the held-out identity "
-                                               "questions and the eval loss come from the eval split"))  # fmt: skip
+        problems.append(("data.eval_fraction", "must be above 0 (or set data.eval_count): the eval stage asks the "
+                                               "held-out questions"))  # fmt: skip
     if not cfg.data.placeholders.get("name"):
         problems.append(("data.placeholders.name", "is required: an identity question is a held-out row whose "
                                                    "answer names it"))  # fmt: skip
+    if cfg.eval.sources:
+        problems.append(("eval.sources", "must be empty: the demo scores the held-out split of data.sources"))
     try:
         space.check(cfg)
     except ConfigError as e:
@@ -133,11 +134,6 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
     try:
         with timer.stage("prepare") as stage_log:
             run_logged([_bin("raylora"), "prepare", str(job)], stage_log, env, log)
-            questions = pick_questions(cfg)
-            log(f"  held-out questions: {sum(q['identity'] for q in questions)} identity, "
-                f"{sum(not q['identity'] for q in questions)} general")  # fmt: skip
-        with timer.stage("before") as stage_log:
-            before = ask_base(cfg, questions, stage_log, log)
         with timer.stage("train") as stage_log:
             cluster = start_cluster(temp_dir, env, stage_log, log)
             log(f"  Ray dashboard: {cluster['dashboard']}")
@@ -148,14 +144,21 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
             submit(cluster["dashboard"], ["jobs/tune.py", str(job), f"train.output_dir={out / 'sweep'}"],
                    stage_log, env, log)  # fmt: skip
             best = best_trial(cfg, out / "sweep")
+        with timer.stage("eval") as stage_log:
+            # on the base the demo serves, so the served best adapter answers as the eval's does
+            submit(cluster["dashboard"], ["jobs/eval.py", str(job), f"eval.candidates=[base, {out / 'sweep'}]",
+                                          f"eval.output_dir={out / 'eval'}", f"serve.quantization={cfg.export.quantization}"],
+                   stage_log, env, log)  # fmt: skip
+            scores = json.loads((out / "eval" / "report.json").read_text())
+            questions = identity_answers(out / "eval" / "answers.jsonl", f"trial-{best['trial']}")
         with timer.stage("serve") as stage_log:
-            after, url, adapter = serve_and_ask(cfg, job, out, cluster, questions, stage_log, env, log)
+            served, url, adapter = serve_and_ask(cfg, job, out, cluster, questions, stage_log, env, log)
         with timer.stage("report") as stage_log:
             report = {
                 "config": source,
                 "questions": questions,
-                "before": before,
-                "after": {**after, "eval_loss": best["metric"]},
+                "eval": scores,
+                "served": served,
                 "train_job": {"eval_loss": trained},
                 "best": best,
                 "stages": dict(timer.seconds),
@@ -243,87 +246,23 @@ def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], log: Callabl
     return "".join(lines)
 
 
-def pick_questions(cfg: JobConfig) -> list[dict[str, Any]]:
-    """The held-out identity questions (answer names ``data.placeholders.name``) and a few general ones.
+def identity_answers(answers: Path, best: str) -> list[dict[str, Any]]:
+    """The identity questions of the eval (rows with key strings: ``eval.keys``), each with its reference and the
+    base's and the best trial's answers.
 
-    Returns:
-        ``[{"question", "reference", "identity": bool}, ...]``, the identity questions first.
     Raises:
         DemoError: the eval split holds no identity question.
     """
-    name = cfg.data.placeholders["name"]
-    identity, general = [], []
-    for conversation in held_out_conversations(cfg.data):
-        users = [m for m in conversation.messages if m["role"] == "user"]
-        answers = [m for m in conversation.messages if m["role"] == "assistant"]
-        if len(users) != 1 or len(answers) != 1 or conversation.tools:
-            continue  # one question, one answer: what the table can show
-        row = {"question": users[0]["content"], "reference": answers[0]["content"]}
-        (identity if name in row["reference"] else general).append({**row, "identity": name in row["reference"]})
-    if not identity:
-        raise DemoError(f"the eval split holds no identity question (a held-out row whose answer names {name!r}); "
-                        "raise data.eval_fraction or data.eval_count")  # fmt: skip
-    return identity + general[:GENERAL_QUESTIONS]
-
-
-def exact_match(answer: str, reference: str) -> bool:
-    """Whether ``answer`` is ``reference`` up to case and runs of whitespace."""
-    return " ".join(answer.split()).casefold() == " ".join(reference.split()).casefold()
-
-
-def names(answer: str, reference: str, cfg: JobConfig) -> bool:
-    """Whether ``answer`` names every ``data.placeholders`` value (the assistant, its author) that ``reference`` names."""
-    wanted = [v for v in cfg.data.placeholders.values() if v and v.casefold() in reference.casefold()]
-    return all(v.casefold() in answer.casefold() for v in wanted)
-
-
-def score(cfg: JobConfig, questions: list[dict], answers: list[str]) -> dict[str, int]:
-    """Exact matches, and answers naming whom the reference names, over the identity questions."""
-    pairs = [(q, a) for q, a in zip(questions, answers, strict=True) if q["identity"]]
-    return {
-        "identity_questions": len(pairs),
-        "exact_match": sum(exact_match(a, q["reference"]) for q, a in pairs),
-        "names": sum(names(a, q["reference"], cfg) for q, a in pairs),
-    }
-
-
-def ask_base(cfg: JobConfig, questions: list[dict], log_path: Path, log: Callable[[str], None]) -> dict[str, Any]:
-    """The base model's greedy answers (Hugging Face ``generate``, one question at a time, in this process), its
-    generation speed and its eval loss on the prepared eval split (the objective training reports)."""
-    backend = resolve_backend(cfg.backend)
-    device = backend.torch_device()
-    model, tokenizer = load_model(cfg.model)
-    model.to(device)
-    answers, tokens, seconds = [], 0, 0.0
-    with log_path.open("a", encoding="utf-8") as f:
-        for q in questions:
-            start = time.perf_counter()
-            text, n = answer(model, tokenizer, [{"role": "user", "content": q["question"]}], device, MAX_NEW_TOKENS)
-            seconds += time.perf_counter() - start
-            tokens += n
-            answers.append(text)
-            line = f"  Q: {q['question']}\n  A: {text}"
-            f.write(line + "\n")
-            f.flush()
-            log(line)
-        loss = eval_loss(model, tokenizer.pad_token_id, cfg, backend)
-        f.write(f"eval loss {loss:.4f}\n")
-    log(f"  base model: eval loss {loss:.4f}, {tokens / seconds:.1f} generated tokens/s")
-    return {"answers": answers, "tokens_per_s": tokens / seconds, "eval_loss": loss, **score(cfg, questions, answers)}
-
-
-def eval_loss(model, pad_id: int, cfg: JobConfig, backend) -> float:
-    """Cross-entropy per label token of ``model`` over the prepared eval shards, batched as training evaluates."""
-    summary = json.loads((Path(cfg.data.output_dir) / "summary.json").read_text())
-    files = sorted(Path(summary["splits"]["eval"]["shards"]).glob("*.parquet"))
-    rows = pa.concat_tables([pq.read_table(p) for p in files]) if files else None
-    if rows is None or rows.num_rows == 0:
-        raise DemoError(f"the eval split in {cfg.data.output_dir} is empty; raise data.eval_fraction")
-    mask_dtype = backend.amp_dtype or model.dtype
-    scores = evaluate(
-        LossModel(model, chunked=False), PackShard(rows), cfg.train.batch_size, pad_id, mask_dtype, backend, 1
-    )
-    return scores["eval_loss"]
+    rows = [json.loads(line) for line in answers.read_text().splitlines()]
+    by_row: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        if r["keys"] and r["candidate"] in ("base", best):
+            entry = by_row.setdefault(r["row"], {"question": r["question"], "reference": r["reference"]})
+            entry["before" if r["candidate"] == "base" else "after"] = r["answer"].strip()
+    if not by_row:
+        raise DemoError("the eval split holds no identity question (a held-out row whose answer names one of "
+                        "eval.keys); raise data.eval_fraction or data.eval_count")  # fmt: skip
+    return [by_row[k] for k in sorted(by_row)]
 
 
 def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str], None]) -> dict[str, str]:
@@ -395,7 +334,8 @@ def serve_and_ask(
     """Export the base, serve it with ``jobs/serve.py``, install the registered best adapter, ask the questions.
 
     Returns:
-        ``(after, url, adapter)``: the answers, speed and scores; the server's URL; the adapter's served name.
+        ``(served, url, adapter)``: the served answers, their speed and how many equal the eval's answers of the same
+        adapter; the server's URL; the adapter's served name.
     """
     export_dir = out / "export"
     run_logged([_bin("raylora"), "export", str(job), f"export.output_dir={export_dir}", "export.adapter=null"],
@@ -412,7 +352,7 @@ def serve_and_ask(
     with log_path.open("a", encoding="utf-8") as f:
         for q in questions:
             body = {"model": adapter, "messages": [{"role": "user", "content": q["question"]}],
-                    "max_tokens": MAX_NEW_TOKENS, "temperature": 0}  # fmt: skip
+                    "max_tokens": cfg.eval.max_tokens, "temperature": 0}  # fmt: skip
             start = time.perf_counter()
             reply = http_json(f"{url}/v1/chat/completions", body)
             seconds += time.perf_counter() - start
@@ -423,8 +363,8 @@ def serve_and_ask(
             f.write(line + "\n")
             f.flush()
             log(line)
-    after = {"answers": answers, "tokens_per_s": tokens / seconds, **score(cfg, questions, answers)}
-    return after, url, adapter
+    same = sum(a == q["after"] for a, q in zip(answers, questions, strict=True))
+    return {"answers": answers, "tokens_per_s": tokens / seconds, "same_as_eval": same}, url, adapter
 
 
 def http_json(url: str, body: dict, key: str | None = None) -> dict:
@@ -447,7 +387,7 @@ def http_json(url: str, body: dict, key: str | None = None) -> dict:
 def where_to_look(cfg: JobConfig, dashboard: str, url: str, adapter: str) -> dict[str, str]:
     """The commands and URLs the report ends with."""
     question = json.dumps({"model": adapter, "messages": [{"role": "user", "content": "Who are you?"}],
-                           "max_tokens": MAX_NEW_TOKENS})  # fmt: skip
+                           "max_tokens": cfg.eval.max_tokens})  # fmt: skip
     return {
         "mlflow": f"mlflow ui --backend-store-uri {tracking_uri(cfg.tracking)} --host 127.0.0.1 --port 5000",
         "mlflow_url": "http://127.0.0.1:5000",
@@ -460,31 +400,35 @@ def where_to_look(cfg: JobConfig, dashboard: str, url: str, adapter: str) -> dic
 
 
 def render_report(report: dict[str, Any], cfg: JobConfig) -> str:
-    """The before/after table, each question's answers, the stage times and where to look, as Markdown."""
-    before, after, best = report["before"], report["after"], report["best"]
-    n = before["identity_questions"]
+    """The before/after table (the eval's scores), each identity question's answers, the stage times and where to
+    look, as Markdown."""
+    scores, best, served = report["eval"]["candidates"], report["best"], report["served"]
+    pick = f"trial-{best['trial']}"
+    trials = [name for name in scores if name not in ("base", pick)]
     values = ", ".join(f"{k}={best[k]}" for k in cfg.tune.space)
+    header = ["before: base model", f"after: best trial of the sweep ({values})", *trials]
+    lines = ["| held-out questions | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for metric in SHOWN:
+        cells = [scores[name]["metrics"].get(metric) for name in ("base", pick, *trials)]
+        shown = [("n/a" if v is None else f"{v * 100:.0f}%" if metric in ("exact_match", "contains") else f"{v:.2f}")
+                 for v in cells]  # fmt: skip
+        lines.append(f"| {METRIC_LABELS[metric]} | " + " | ".join(shown) + " |")
     trained = report["train_job"]["eval_loss"]
-    lines = [
-        f"| | before: base model | after: best adapter of the sweep ({values}) |",
-        "|---|---|---|",
-        f"| identity questions, exact match | {before['exact_match']}/{n} | {after['exact_match']}/{n} |",
-        f"| identity answers naming whom the reference names ({', '.join(cfg.data.placeholders.values())}) | {before['names']}/{n} | {after['names']}/{n} |",
-        f"| eval loss (held-out split) | {before['eval_loss']:.4f} | {after['eval_loss']:.4f} |",
-        f"| generated tokens/s | {before['tokens_per_s']:.1f} (HF generate, in process) | "
-        f"{after['tokens_per_s']:.1f} (served: {cfg.export.quantization} base + adapter, over HTTP) |",
+    lines += [
         "",
-        f"The training job (`ray job submit`, {cfg.train.num_workers} workers, the config's values) ended at eval "
-        f"loss {trained:.4f}."
-        if trained is not None
-        else "The training job ran no evaluation.",
-        "Exact match: the answer equals the held-out reference up to case and whitespace.",
+        f"{report['eval']['rows']} held-out questions, {report['eval']['rejected']} rejected; the sweep picked its best "
+        f"trial by eval loss ({best['metric']:.4f} on the prepared eval split); the training job (`ray job submit`, "
+        f"{cfg.train.num_workers} workers, the config's values) ended at "
+        + (f"eval loss {trained:.4f}." if trained is not None else "no evaluation."),
+        f"Served ({cfg.export.quantization} base + the registered best adapter, over HTTP): "
+        f"{served['tokens_per_s']:.1f} generated tokens/s; {served['same_as_eval']}/{len(served['answers'])} identity "
+        "answers equal to the eval's answers of the same adapter. Eval: "
+        f"{report['eval']['tokens_per_s']:.1f} generated tokens/s over every candidate.",
         "",
     ]
     for k, q in enumerate(report["questions"]):
-        kind = "identity" if q["identity"] else "general"
-        lines += [f"**{kind}: {q['question']}**", f"- reference: {q['reference']}",
-                  f"- before: {before['answers'][k]}", f"- after: {after['answers'][k]}", ""]  # fmt: skip
+        lines += [f"**{q['question']}**", f"- reference: {q['reference']}", f"- before: {q['before']}",
+                  f"- after: {q['after']}", f"- served: {served['answers'][k]}", ""]  # fmt: skip
     stages = report["stages"]
     lines.append("stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
                  + f"; total {sum(stages.values()):.0f} s")  # fmt: skip

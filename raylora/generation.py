@@ -1,24 +1,458 @@
-"""Greedy answers of a loaded model with Hugging Face ``generate``, one conversation at a time (the quickstart's and
-the demo's "before" answers)."""
+"""The generation engine: continuous batching across LoRA adapters, for a serving replica, an eval actor and the
+quickstart's answers (the one generation loop of raylora).
+
+One thread owns the model. Each turn of its loop runs at most ``max_prefill_tokens`` prompt tokens of
+prefill, then one decode step for every running sequence: short prompts that arrive together are prefilled
+as one left-padded batch, a long prompt is prefilled in chunks over several turns, so it never stalls the
+running streams for more than one chunk. A prefilled sequence's KV cache is left-padded and concatenated
+onto the running batch's; finished sequences leave at once; every decode step is one forward pass for all
+running sequences whatever adapter each uses (peft's mixed-batch ``adapter_names``). Adapter loads and
+unloads run on the same thread between turns, so a forward pass never sees the model change under it.
+Text is detokenised incrementally (tokenizers' ``DecodeStream``) and stop strings are looked for only in
+the new tail, so each token costs the same however long the answer grows. A request with a constraint (a JSON
+schema, forced tool calls: :mod:`raylora.serve.structured`) has its own row of logits masked before sampling; the
+other rows of the batch are untouched.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
 import torch
+from tokenizers.decoders import DecodeStream
+
+BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 
 
-def generate(model, tokenizer, messages: list[dict], device: torch.device, max_new_tokens: int = 48) -> str:
-    """Greedy answer to a conversation, decoded without special tokens."""
-    return answer(model, tokenizer, messages, device, max_new_tokens)[0]
+class Constraint(Protocol):
+    """What the engine asks of a constrained request (:class:`raylora.serve.structured.Constraint`)."""
+
+    def mask(self, logits: torch.Tensor) -> None: ...
+
+    def accept(self, token: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
 
 
-@torch.no_grad()
-def answer(model, tokenizer, messages: list[dict], device: torch.device, max_new_tokens: int) -> tuple[str, int]:
-    """Greedy answer to a conversation: its text (without special tokens) and the number of tokens generated."""
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    output = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    new = output[0, inputs["input_ids"].shape[1] :]
-    return tokenizer.decode(new, skip_special_tokens=True).strip(), int(new.numel())
+@dataclass
+class GenRequest:
+    """One generation: token ids in, text out.
+
+    Attributes:
+        prompt_ids: the rendered prompt's token ids.
+        adapter: adapter name, or None for the base model.
+        max_tokens: generated tokens at most.
+        temperature: 0 decodes greedily.
+        top_p: nucleus sampling mass.
+        stop: strings that end the answer (not included in it).
+        seed: makes sampling repeatable.
+        constraint: what the answer must follow (its logits are masked), or None; one per request.
+    """
+
+    prompt_ids: list[int]
+    adapter: str | None = None
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    constraint: Constraint | None = None
+
+
+@dataclass
+class Event:
+    """What a request hears from the engine: text deltas, then one final event with the finish reason."""
+
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" on the final event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def joined(events: list[Event]) -> Event:
+    """Consecutive events of one request as one: their text, and the last one's ending."""
+    last = events[-1]
+    text = "".join(e.text for e in events)
+    return Event(text, last.finish_reason, last.prompt_tokens, last.completion_tokens, last.error)
+
+
+@dataclass
+class _Seq:
+    req: GenRequest
+    emit: Callable[[Event], None]
+    generator: torch.Generator
+    decoder: DecodeStream
+    ids: list[int] = field(default_factory=list)  # generated so far
+    text: str = ""  # ``ids`` detokenised
+    sent: int = 0  # characters of ``text`` already emitted
+    prefilled: int = 0  # prompt tokens already in ``cache`` (a prompt prefilled in chunks)
+    cache: object = None
+    cancelled: bool = False
+    failed: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Engine:
+    """Continuous-batching generation over a (possibly peft-wrapped) causal LM.
+
+    Args:
+        model: a Hugging Face causal LM in eval mode, or a peft model around one.
+        tokenizer: its tokenizer (a fast, tokenizers-backed one: incremental decoding, end-of-sequence ids).
+        max_batch_size: sequences decoded together; 1 turns batching off.
+        batch_wait_s: how long an idle engine waits for more requests before starting a batch.
+        threads: torch intra-op threads of the engine thread (None: torch's default).
+        max_prefill_tokens: prompt tokens prefilled per turn, between two decode steps of the running batch
+            (None: every prompt is prefilled whole, however long).
+        autocast: a context manager factory every forward runs under (``Backend.autocast``, for a model whose frozen
+            weights training stored in the autocast dtype); autocast is per thread, so the engine enters it itself.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_batch_size: int,
+        batch_wait_s: float,
+        threads: int | None = None,
+        max_prefill_tokens: int | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        self.model = model
+        self.autocast = autocast
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.max_prefill_tokens = max_prefill_tokens or sys.maxsize
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.max_context = model.config.max_position_embeddings
+        self._cv = threading.Condition()
+        self._waiting: list[_Seq] = []
+        self._calls: list[tuple[Callable, Future]] = []
+        self._prefilling: list[_Seq] = []  # admitted, prompt not yet (wholly) in a cache; touched by the engine only
+        self._running: list[_Seq] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # (batch, cache length), 1 = real token
+        self._next: torch.Tensor | None = None  # (batch, 1) the token each sequence feeds next
+        self._stopping = False
+        self.threads = threads
+        self.max_running = 0  # the largest batch decoded so far (tests, benchmarks)
+        self._thread = threading.Thread(target=self._loop, name="raylora-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenRequest, emit: Callable[[Event], None]) -> _Seq:
+        """Queue a request; ``emit`` is called from the engine thread. Returns a handle with ``cancel()``."""
+        gen = torch.Generator()
+        gen.manual_seed(req.seed) if req.seed is not None else gen.seed()
+        seq = _Seq(req, emit, gen, DecodeStream(skip_special_tokens=True))
+        with self._cv:
+            self._waiting.append(seq)
+            self._cv.notify()
+        return seq
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` on the engine thread between decode steps (adapter loads and unloads)."""
+        future: Future = Future()
+        with self._cv:
+            self._calls.append((fn, future))
+            self._cv.notify()
+        return future
+
+    def adapters_in_use(self) -> set[str]:
+        with self._cv:
+            return {s.req.adapter for s in self._waiting + self._prefilling + self._running if s.req.adapter}
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while True:
+            with self._cv:
+                while not (self._running or self._prefilling or self._waiting or self._calls or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                if not (self._running or self._prefilling) and self._waiting and self.batch_wait_s:
+                    self._cv.wait_for(lambda: len(self._waiting) >= self.max_batch_size, self.batch_wait_s)
+                calls, self._calls = self._calls, []
+                room = self.max_batch_size - len(self._running) - len(self._prefilling)
+                self._prefilling += self._waiting[:room]
+                self._waiting = self._waiting[room:]
+                self._prefilling = [s for s in self._prefilling if not s.cancelled]
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # the caller gets the reason; the engine keeps serving
+                    future.set_exception(e)
+            if self._prefilling:
+                chunk = self._next_chunk()
+                self._guarded(chunk, self._prefill, chunk)
+            if self._running:
+                self._guarded(list(self._running), self._step)
+
+    def _guarded(self, seqs: list[_Seq], work: Callable[..., None], *args) -> None:
+        """Run ``work(*args)``; if it raises, fail ``seqs`` (each once) and drop them, and keep serving the rest."""
+        try:
+            work(*args)
+        except Exception as e:  # a failed forward fails the requests it was for, not the replica
+            failed = [s for s in seqs if not s.failed]
+            for seq in failed:
+                seq.failed = True
+                seq.emit(Event(error=f"generation failed: {type(e).__name__}: {e}"))
+            with self._cv:
+                self._prefilling = [s for s in self._prefilling if not s.failed]
+            if any(s.failed for s in self._running):
+                self._running, self._cache, self._mask, self._next = [], None, None, None
+
+    def _next_chunk(self) -> list[_Seq]:
+        """What is prefilled this turn: short prompts together while their padded batch fits the budget, else the
+        next chunk of a long prompt (short ones go first, so a long prompt never delays a new request's first token
+        by more than a chunk; ``max_batch_size`` bounds how long they can keep it waiting)."""
+        chunk, width = [], 0
+        for seq in self._prefilling:
+            if self._long(seq):
+                continue
+            width = max(width, len(seq.req.prompt_ids))
+            if width * (len(chunk) + 1) > self.max_prefill_tokens:
+                break
+            chunk.append(seq)
+        return chunk or [next((s for s in self._prefilling if s.prefilled), self._prefilling[0])]
+
+    def _long(self, seq: _Seq) -> bool:
+        """Whether ``seq``'s prompt is prefilled in chunks."""
+        return seq.prefilled > 0 or len(seq.req.prompt_ids) > self.max_prefill_tokens
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache):
+        kwargs = {}
+        if hasattr(self.model, "peft_config"):
+            kwargs["adapter_names"] = [s.req.adapter or BASE for s in seqs]
+        device = self.model.device
+        with self.autocast():
+            out = self.model(
+                input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                cache=cache, use_cache=True, logits_to_keep=1, **kwargs,
+            )  # fmt: skip
+        return out.logits[:, -1, :].float().cpu(), out.cache
+
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        """One prefill forward: the next ``max_prefill_tokens`` of one long prompt, or several short prompts whole."""
+        if self._long(seqs[0]):
+            seq = seqs[0]
+            start = seq.prefilled
+            end = min(len(seq.req.prompt_ids), start + self.max_prefill_tokens)
+            ids = torch.tensor([seq.req.prompt_ids[start:end]])
+            mask = torch.ones((1, end), dtype=torch.long)
+            logits, seq.cache = self._forward(ids, mask, torch.arange(start, end)[None], seqs, seq.cache)
+            seq.prefilled = end
+            if end < len(seq.req.prompt_ids):
+                return
+            cache, seq.cache = seq.cache, None
+        else:
+            width = max(len(s.req.prompt_ids) for s in seqs)
+            ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                n = len(s.req.prompt_ids)
+                ids[i, width - n :] = torch.tensor(s.req.prompt_ids)
+                mask[i, width - n :] = 1
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            logits, cache = self._forward(ids, mask, positions, seqs, None)
+        with self._cv:
+            self._prefilling = [s for s in self._prefilling if s not in seqs]
+        self._join(seqs, logits, cache, mask)
+
+    def _join(self, seqs: list[_Seq], logits: torch.Tensor, cache, mask: torch.Tensor) -> None:
+        """Sample the first token of freshly prefilled ``seqs`` and add the unfinished ones to the running batch."""
+        tokens = self._sample(logits, seqs)
+        seqs, cache, mask, tokens = self._keep_unfinished(seqs, cache, mask, tokens)
+        if not seqs:
+            return
+        if self._running:
+            cache, mask = _merge(self._cache, self._mask, cache, mask)
+            tokens = torch.cat([self._next, tokens])
+        self._running += seqs
+        self.max_running = max(self.max_running, len(self._running))
+        self._cache, self._mask, self._next = cache, mask, tokens
+
+    def _step(self) -> None:
+        positions = self._mask.sum(1, keepdim=True)
+        mask = torch.cat([self._mask, torch.ones_like(self._next)], dim=1)
+        logits, cache = self._forward(self._next, mask, positions, self._running, self._cache)
+        tokens = self._sample(logits, self._running)
+        self._running, self._cache, self._mask, self._next = self._keep_unfinished(self._running, cache, mask, tokens)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+        """Next token per row of ``logits`` (batch, vocab) as (batch, 1): greedy at temperature 0, else top-p; a
+        constrained request's row first loses the tokens its grammar forbids."""
+        for i, s in enumerate(seqs):
+            if s.req.constraint is not None:
+                s.req.constraint.mask(logits[i])
+        tokens = logits.argmax(-1)
+        for i, s in enumerate(seqs):
+            if s.req.temperature > 0:
+                tokens[i] = _top_p_sample(logits[i] / s.req.temperature, s.req.top_p, s.generator)
+        return tokens[:, None]
+
+    def _keep_unfinished(self, seqs: list[_Seq], cache, mask: torch.Tensor, tokens: torch.Tensor):
+        """Hand each sequence its new token; drop the finished and cancelled ones from the batch state."""
+        keep = [i for i, (s, t) in enumerate(zip(seqs, tokens[:, 0].tolist(), strict=True))
+                if not (s.cancelled or self._advance(s, t))]  # fmt: skip
+        if len(keep) == len(seqs):
+            return seqs, cache, mask, tokens
+        if not keep:
+            return [], None, None, None
+        index = torch.tensor(keep)
+        cache.batch_select_indices(index)
+        mask, tokens = mask[index], tokens[index]
+        # Columns that are padding in every remaining row are dead weight for attention.
+        first = int((mask.cumsum(1) == 0).sum(1).min())
+        if first:
+            mask = mask[:, first:]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
+        return [seqs[i] for i in keep], cache, mask, tokens
+
+    def _advance(self, seq: _Seq, token: int) -> bool:
+        """Record ``token`` for ``seq`` and send the text that is final; returns whether ``seq`` finished."""
+        stops, constraint = seq.req.stop, seq.req.constraint
+        if constraint is not None:
+            constraint.accept(token)
+            if constraint.error is not None:  # the request fails, the batch goes on
+                seq.emit(Event(error=constraint.error))
+                return True
+        # Under a grammar the answer ends where the grammar does: an end id that is also text (a test model's) is text.
+        if token in self.eos_ids and (constraint is None or constraint.done):
+            reason, piece = "stop", ""
+        else:
+            seq.ids.append(token)
+            piece = seq.decoder.step(self.tokenizer._tokenizer, token) or ""  # "": half a multi-byte character
+            reason = "length" if len(seq.ids) >= seq.req.max_tokens else None
+            if constraint is not None and constraint.done:  # complete: nothing may follow, not even the end token
+                reason = "stop"
+        if reason is not None:
+            # The stream holds back a character whose bytes are incomplete; the answer ends with it as decode() has it.
+            piece = self.tokenizer.decode(seq.ids, skip_special_tokens=True)[len(seq.text) :]
+        if piece:
+            # A stop string first seen now ends in the new piece: search only the tail it can start in.
+            start = max(0, len(seq.text) - max((len(s) for s in stops), default=1) + 1)
+            seq.text += piece
+            cut = min((i for s in stops if (i := seq.text.find(s, start)) >= 0), default=-1)
+            if cut >= 0:
+                seq.text, reason = seq.text[:cut], "stop"
+        # Hold back what could still become a stop string.
+        end = len(seq.text) if reason else len(seq.text) - max((len(s) - 1 for s in stops), default=0)
+        delta = seq.text[seq.sent : max(end, seq.sent)]
+        seq.sent = max(end, seq.sent)
+        if reason is not None:
+            seq.emit(Event(delta, reason, len(seq.req.prompt_ids), len(seq.ids)))
+        elif delta:
+            seq.emit(Event(delta))
+        return reason is not None
+
+
+def _top_p_sample(logits: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
+    """Sample one id from ``logits`` (vocab,) keeping the smallest set of ids whose probability reaches ``top_p``."""
+    probs = torch.softmax(logits, -1)
+    sorted_probs, order = probs.sort(descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    sorted_probs[outside] = 0
+    pick = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+    return int(order[pick])
+
+
+def _merge(cache_a, mask_a: torch.Tensor, cache_b, mask_b: torch.Tensor):
+    """Concatenate two KV caches along the batch, left-padding the shorter one to the other's length.
+
+    Args:
+        cache_a, cache_b: transformers ``DynamicCache`` objects, layer tensors (batch, heads, length, dim).
+        mask_a, mask_b: (batch, length) attention masks of the caches, 1 for a real token.
+    Returns:
+        ``(cache_a, mask)``: ``cache_a`` now holds both batches, ``mask`` is their joint mask.
+    """
+    la, lb = mask_a.shape[1], mask_b.shape[1]
+    width = max(la, lb)
+    for layer_a, layer_b in zip(cache_a.layers, cache_b.layers, strict=True):
+        for name in ("keys", "values"):
+            a, b = _left_pad(getattr(layer_a, name), width), _left_pad(getattr(layer_b, name), width)
+            setattr(layer_a, name, torch.cat([a, b]))
+    mask = torch.cat([_left_pad(mask_a, width), _left_pad(mask_b, width)])
+    return cache_a, mask
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the sequence dimension of ``t`` on the left to ``width`` (dim -2 for KV tensors, -1 for masks)."""
+    dim = -2 if t.dim() == 4 else -1
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def wait_for(engine: Engine, req: GenRequest, timeout_s: float = 600) -> Event:
+    """Run ``req`` to completion from a plain thread; returns one event with the whole text (tests, benchmarks)."""
+    return run_all(engine, [req], timeout_s)[0]
+
+
+def run_all(engine: Engine, reqs: list[GenRequest], timeout_s: float = 600) -> list[Event]:
+    """Run ``reqs`` to completion together from a plain thread; returns one event per request with its whole text.
+
+    Raises:
+        TimeoutError: some request had no final event after ``timeout_s``.
+    """
+    done = threading.Semaphore(0)
+    parts: list[list[Event]] = [[] for _ in reqs]
+
+    def listener(k: int) -> Callable[[Event], None]:
+        def emit(event: Event) -> None:
+            parts[k].append(event)
+            if event.final:
+                done.release()
+
+        return emit
+
+    for k, req in enumerate(reqs):
+        engine.submit(req, listener(k))
+    deadline = time.monotonic() + timeout_s
+    for _ in reqs:
+        if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"no answer after {timeout_s:.0f} s")
+    return [joined(p) for p in parts]
+
+
+def answer_all(model, tokenizer, reqs: list[GenRequest], autocast=contextlib.nullcontext) -> list[Event]:
+    """``reqs`` answered by a fresh engine over ``model``, stopped after (the quickstart's before and after answers)."""
+    engine = Engine(model, tokenizer, max(1, len(reqs)), 0, autocast=autocast)
+    try:
+        return run_all(engine, reqs)
+    finally:
+        engine.stop()

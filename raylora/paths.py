@@ -29,6 +29,7 @@ OUTPUTS = {
     "tune": ("data.output_dir", "train.output_dir", "tracking.uri"),
     "quickstart": ("train.output_dir",),
     "export": ("export.output_dir",),
+    "eval": ("eval.output_dir", "tracking.uri"),
     "serve": ("serve.adapter_root", "tracking.uri"),
     "demo": ("data.output_dir", "train.output_dir", "export.output_dir", "serve.adapter_root", "tracking.uri"),
 }
@@ -90,7 +91,7 @@ def anchor_outputs(cfg: JobConfig, command: str, source: str = "config") -> JobC
 
 def anchor_inputs(cfg: JobConfig) -> JobConfig:
     """``cfg`` with each relative input path (data sources, ``data.dataset_info``, ``model.name_or_path``,
-    ``export.adapter``) that names nothing in the working folder but something under ``$RAYLORA_BASE_DIR`` made
+    ``export.adapter``, ``eval.sources``, ``eval.candidates``) that names nothing in the working folder but something under ``$RAYLORA_BASE_DIR`` made
     absolute there.
 
     A job runs in Ray's copy of the working folder, which holds what ``--working-dir`` uploaded, not
@@ -113,9 +114,15 @@ def anchor_inputs(cfg: JobConfig) -> JobConfig:
         dataset_info=moved(cfg.data.dataset_info),
     )
     model = dataclasses.replace(cfg.model, name_or_path=moved(cfg.model.name_or_path))
-    return dataclasses.replace(
-        cfg, data=data, model=model, export=dataclasses.replace(cfg.export, adapter=moved(cfg.export.adapter))
+    evaluation = dataclasses.replace(
+        cfg.eval,
+        sources=[dataclasses.replace(s, path=moved(s.path)) for s in cfg.eval.sources],
+        candidates=[c if c == "base" or c.startswith("models:/") else moved(c) for c in cfg.eval.candidates],
     )
+    return dataclasses.replace(
+        cfg, data=data, model=model, export=dataclasses.replace(cfg.export, adapter=moved(cfg.export.adapter)),
+        eval=evaluation,
+    )  # fmt: skip
 
 
 def _relative_sqlite(uri: str | None) -> str | None:

@@ -232,3 +232,31 @@ def _ensure_registered_model(client: MlflowClient, name: str) -> None:
             f"the MLflow registered model {name!r} exists and is not a LoRA adapter (no tag {KIND_TAG}={KIND}). "
             "Register the adapter under another name.",
         )
+
+
+def registered_version(tracking_uri: str, uri: str) -> tuple[str, int, str | None]:
+    """``models:/<name>/<version>`` (or ``/latest``) as ``(name, version, run id)``: the version that exists.
+
+    Raises:
+        AdapterError: 400 for another URI shape or a bad name; 404 ``adapter_not_found`` for an unknown name or
+            a version the registry does not hold (its versions named).
+    """
+    import mlflow  # mlflow: see the note at the top
+    from mlflow.exceptions import MlflowException  # mlflow: see the note at the top
+
+    parts = uri.removeprefix("models:/").split("/")
+    if not uri.startswith("models:/") or len(parts) != 2 or not parts[1]:
+        raise AdapterError(
+            400, "invalid_adapter_source", f"{uri!r} is not models:/NAME/VERSION (or models:/NAME/latest)"
+        )
+    name, version = check_name(parts[0]), parts[1]
+    if version == "latest":
+        version = str(latest_version(tracking_uri, name)[0])
+    client = mlflow.MlflowClient(tracking_uri)
+    try:
+        found = client.get_model_version(name, version)
+    except MlflowException:
+        held = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        raise AdapterError(404, "adapter_not_found", f"{uri}: the registry holds no version {version} of {name!r} "
+                           f"(versions: {', '.join(map(str, held)) or 'none'})") from None  # fmt: skip
+    return name, int(found.version), found.run_id

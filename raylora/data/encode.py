@@ -203,6 +203,16 @@ class Encoder:
             tools = None
         return view, learned, tools
 
+    def prompt(self, conversation: Conversation) -> str:
+        """A conversation (and the functions it may call) rendered as training renders it, then the assistant's
+        turn opened: what a model answers (serving, evaluation).
+
+        Raises:
+            jinja2.TemplateError: the chat template refuses the conversation (``raise_exception``).
+        """
+        messages, _, tools = self.template_view(conversation)
+        return self.render(messages, add_generation_prompt=True, tools=tools)
+
     def text(self, conversation: Conversation | list[Message]) -> str:
         """The whole conversation rendered, as training sees it (calibration, perplexity)."""
         if isinstance(conversation, list):

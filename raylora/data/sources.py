@@ -152,9 +152,17 @@ def sample_token_ids(data: DataArgs, tokenizer, n: int, skip: int = 0) -> list[l
 def held_out_conversations(data: DataArgs) -> list[Conversation]:
     """The rows ``raylora prepare`` puts in the eval split, as conversations, in file order.
 
-    The same rule as the pipeline: a row is held out when its seeded hash of ``(file name, line)`` falls under
-    ``data.eval_fraction``, or, with ``data.eval_count``, when it is among the rows with the smallest hashes.
     Rows that do not parse are left out (``prepare`` rejects them). Returns an empty list without an eval split.
+    """
+    return [row for _, _, row in read_conversations(data, held_out=True) if isinstance(row, Conversation)]
+
+
+def read_conversations(data: DataArgs, held_out: bool) -> list[tuple[str, int, Conversation | str]]:
+    """Every row of ``data.sources`` (or only the eval split's) as ``(file, line, conversation)``, in file order; a
+    row that cannot be read has the reason in place of its conversation.
+
+    The eval split follows the pipeline's rule: a row is held out when its seeded hash of ``(file name, line)`` falls
+    under ``data.eval_fraction``, or, with ``data.eval_count``, when it is among the rows with the smallest hashes.
     """
     plan = plan_sources(data)
     rows = []
@@ -162,27 +170,22 @@ def held_out_conversations(data: DataArgs) -> list[Conversation]:
         with open(path, "rb") as f:
             for line, raw, error in itertools.islice(iter_raw(f, path), data.max_samples):
                 rows.append((split_draw(data.seed, path, line), path, line, raw, error))
-    if data.eval_count:
+    if not held_out:
+        held = rows
+    elif data.eval_count:
         held = sorted(rows)[: data.eval_count]
     else:
         held = [r for r in rows if data.eval_fraction and r[0] < data.eval_fraction]
     order = {path: k for k, path in enumerate(plan)}
-    out = []
-    for _, path, _, raw, error in sorted(held, key=lambda r: (order[r[1]], r[2])):
+    out: list[tuple[str, int, Conversation | str]] = []
+    for _, path, line, raw, error in sorted(held, key=lambda r: (order[r[1]], r[2])):
         if error is not None:
+            out.append((path, line, error))
             continue
         how = plan[path]
         try:
-            out.append(
-                to_conversation(
-                    json.loads(raw),
-                    how["format"],
-                    how["columns"],
-                    data.placeholders,
-                    data.mask_history,
-                    data.drop_reasoning,
-                )  # fmt: skip
-            )
-        except (RowError, ValueError):
-            continue
+            out.append((path, line, to_conversation(json.loads(raw), how["format"], how["columns"], data.placeholders,
+                                                    data.mask_history, data.drop_reasoning)))  # fmt: skip
+        except (RowError, ValueError) as e:
+            out.append((path, line, str(e)))
     return out

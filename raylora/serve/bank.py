@@ -20,11 +20,11 @@ import torch
 from peft import PeftModel
 
 from raylora.config import ServeArgs
+from raylora.generation import Engine
 from raylora.ops.int4 import quantize_adapter
 from raylora.ops.lora import stack_adapters
 from raylora.registry import AdapterError
 from raylora.serve.compat import check_compatible
-from raylora.serve.engine import Engine
 
 log = logging.getLogger("ray.serve")
 

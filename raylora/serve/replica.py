@@ -23,12 +23,12 @@ from raylora.backends import resolve_backend
 from raylora.config import JobConfig, from_dict
 from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation
+from raylora.generation import Engine, Event, GenRequest, joined
 from raylora.models import load_model
 from raylora.quantize import quantize
 from raylora.registry import AdapterError
 from raylora.serve.adapters import fetch_registered, local_adapter
 from raylora.serve.bank import AdapterBank
-from raylora.serve.engine import Engine, Event, GenRequest, joined
 from raylora.serve.protocol import ApiError
 from raylora.serve.structured import Grammars, grammar
 from raylora.tracking import tracking_uri
@@ -115,9 +115,8 @@ class LLMServer:
         """
         if messages is None:
             return self.tokenizer(prompt).input_ids
-        view, _, tools = self.encoder.template_view(Conversation(messages, tools))
         try:
-            text = self.encoder.render(view, add_generation_prompt=True, tools=tools)
+            text = self.encoder.prompt(Conversation(messages, tools))
         except TemplateError as e:  # templates refuse some conversations (Llama 3.1: one tool call a turn)
             raise ApiError(400, f"this model's chat template refuses the conversation: {e}", "messages",
                            "invalid_value") from None  # fmt: skip

@@ -18,17 +18,19 @@ import torch
 
 from raylora.backends import Backend, resolve_backend
 from raylora.config import JobConfig, to_record
-from raylora.data.encode import tokenizer_spec
-from raylora.data.formats import to_messages
+from raylora.data.encode import Encoder, tokenizer_spec
+from raylora.data.formats import Conversation, to_messages
 from raylora.data.pipeline import gather_side
 from raylora.data.read import first_row, iter_blocks
 from raylora.data.sources import DataError, plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, worker_spec
-from raylora.generation import generate
+from raylora.generation import GenRequest, answer_all
 from raylora.models import attach_lora, load_model
 from raylora.train.lm import training_model
 from raylora.train.loop import train_step
 from raylora.train.optim import build_optimizer, build_scheduler
+
+MAX_TOKENS = 48  # the question's answer, before and after
 
 
 def run_quickstart(cfg: JobConfig, log=print) -> dict:
@@ -55,15 +57,15 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
     path = next(iter(plan))
     first = to_messages(first_row(path)[1], plan[path]["format"], plan[path]["columns"], cfg.data.placeholders)
     question = [m for m in first if m["role"] in ("system", "user")][-1:]
-    device = backend.torch_device()
-    model = attach_lora(model, cfg.lora).to(device)
-    with model.disable_adapter():
-        before = generate(model, tokenizer, question, device)
+    encoder = Encoder(tokenizer_spec(tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
+    prompt = tokenizer(encoder.prompt(Conversation(question)), add_special_tokens=False).input_ids
+    model = attach_lora(model, cfg.lora).to(backend.torch_device())
+    before = answer_all(model, tokenizer, [GenRequest(prompt, max_tokens=MAX_TOKENS, temperature=0)])[0].text.strip()
     losses, tokens, seconds = train_steps(model, packs, tokenizer.pad_token_id, cfg, backend, log)
     model.save_pretrained(out / "adapter", save_embedding_layers=False)  # see raylora.train.checkpoint's SAVE_NOTE
     # training stored the frozen weights in the autocast dtype (raylora.train.lm.store_frozen_linears)
-    with backend.autocast():
-        after = generate(model, tokenizer, question, device)
+    after = answer_all(model, tokenizer, [GenRequest(prompt, "default", MAX_TOKENS, temperature=0)], backend.autocast)
+    after = after[0].text.strip()
     summary = {
         "losses": losses,
         "tokens_per_s": tokens / seconds,

@@ -1,8 +1,8 @@
-"""`raylora demo` end to end on the tiny model: prepare, base answers, a `ray job submit` training job, a sweep
-that registers its best adapter, a W8A8 base served with it, the before/after report; and a failing stage."""
+"""`raylora demo` end to end on the tiny model: prepare, a `ray job submit` training job, a sweep that registers its
+best adapter, `raylora eval` of the base and every trial, a W8A8 base served with the best adapter, the before/after
+report; and a failing stage."""
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -16,7 +16,7 @@ from raylora.cluster import stop_cluster
 from raylora.ports import free_port
 
 BIN = Path(sys.executable).parent
-STAGES = ("prepare", "before", "train", "sweep", "serve", "report")
+STAGES = ("prepare", "train", "sweep", "eval", "serve", "report")
 
 
 def demo(root: Path, tmp_path: Path, *overrides: str, keep: bool = False) -> subprocess.CompletedProcess:
@@ -46,17 +46,19 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
             assert (out / "logs" / f"{stage}.log").is_file()
         assert "Job 'raysubmit_" in (out / "logs" / "train.log").read_text()  # the log of `ray job submit`
 
-        # the table and what it was made of
+        # the table and what it was made of: the eval of the base and both trials on the held-out questions
         text = (out / "report.md").read_text()
-        assert "| identity questions, exact match |" in text and "| eval loss (held-out split) |" in text
+        assert "| exact match (every held-out question) |" in text and "| loss of the reference answers |" in text
+        scores = report["eval"]["candidates"]
+        best = f"trial-{report['best']['trial']}"
+        assert len(scores) == 1 + report["best"]["statuses"].count("completed") and {"base", best} <= set(scores)
+        assert scores[best]["metrics"]["reference_loss"] < scores["base"]["metrics"]["reference_loss"]
         questions = report["questions"]
-        assert any(q["identity"] for q in questions)
-        for side in ("before", "after"):
-            assert len(report[side]["answers"]) == len(questions)
-            assert report[side]["tokens_per_s"] > 0 and math.isfinite(report[side]["eval_loss"])
-            assert report[side]["identity_questions"] == sum(q["identity"] for q in questions)
-        assert report["after"]["eval_loss"] < report["before"]["eval_loss"]
+        assert questions and all(q["reference"] and "before" in q and "after" in q for q in questions)
+        assert len(report["served"]["answers"]) == len(questions) and report["served"]["tokens_per_s"] > 0
+        assert report["served"]["same_as_eval"] == len(questions)  # the served adapter answers as the eval's did
         assert set(report["stages"]) == {*STAGES, "total"}
+        assert (out / "eval" / "metrics.png").is_file() and (out / "eval" / "answers.jsonl").is_file()
 
         # the files of every stage
         assert (out / "train" / "adapter" / "adapter_config.json").is_file()
@@ -65,10 +67,14 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
         assert json.loads((out / "export" / "raylora_int8.json").read_text())["quantization"] == "w8a8-smoothquant"
         assert (out / "adapters" / "tiny-demo" / "adapter_config.json").is_file()
 
-        # MLflow: the training run, the sweep's parent and two children, the best adapter registered
+        # MLflow: the training run, the sweep's parent and two children, the eval's parent and three children (each
+        # trial's linked to the trial's run), the best adapter registered
         client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
         runs = client.search_runs([client.get_experiment_by_name("tiny-demo").experiment_id])
-        assert len(runs) == 4 and all(r.info.status in ("FINISHED", "KILLED") for r in runs)
+        assert len(runs) == 8 and all(r.info.status in ("FINISHED", "KILLED") for r in runs)
+        trial_runs = {r.info.run_id for r in runs if r.data.tags.get("raylora.trial")}
+        linked = {r.data.tags.get("raylora.trained_by_run") for r in runs if r.info.run_name.startswith("trial-")}
+        assert len(trial_runs) == 2 and linked == trial_runs
         (version,) = client.search_model_versions("name='tiny-demo'")
         assert version.tags["raylora.kind"] == "lora-adapter"
 
@@ -94,4 +100,4 @@ def test_a_failing_stage_stops_the_demo_naming_the_stage_and_its_log(root, tmp_p
     log = tmp_path / "demo" / "logs" / "prepare.log"
     assert "stage 'prepare' failed" in proc.stderr and str(log) in proc.stderr
     assert f"{bad}:1" in log.read_text()  # prepare's own message, naming the file and line
-    assert not (tmp_path / "demo" / "logs" / "before.log").exists()
+    assert not (tmp_path / "demo" / "logs" / "train.log").exists()

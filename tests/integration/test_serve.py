@@ -20,9 +20,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from ray import serve
 
-from raylora.config import from_dict
+from raylora.config import from_dict, load_config
 from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation, parse_tool_calls
+from raylora.eval.metrics import means, score_row
+from raylora.eval.run import evaluate
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 from raylora.ports import free_port
@@ -30,6 +32,7 @@ from raylora.registry import register
 from raylora.serve.launch import APP_NAME, redeploys, start
 from raylora.tracking import experiment_id
 
+ROOT = Path(__file__).resolve().parents[2]
 KEY, ADMIN = "sk-test-key", "admin-test-key"
 QUESTION = [{"role": "user", "content": "Who are you?"}]
 
@@ -296,6 +299,49 @@ def test_concurrent_mixed_adapters_batch_together_and_match_alone(server, client
     for t in threads:
         t.join(timeout=180)
     assert {i: results.get(i) for i in range(len(names))} == {i: expected[n] for i, n in enumerate(names)}
+
+
+def test_greedy_eval_on_two_actors_answers_and_scores_as_the_server_does(server, client):
+    """`raylora eval` of the base and three adapters on two Ray Data actors: every answer equals the server's greedy
+    answer to the same question, so the scores do too; MLflow holds a parent and a child per candidate."""
+    root, tmp = server["root"], server["tmp"]
+    uri = f"sqlite:///{tmp}/eval.db"
+    cfg = load_config(ROOT / "configs/tiny_eval_cpu.yaml", [
+        f"eval.candidates=[base, {root / 'alpha'}, {root / 'beta'}, {root / 'gamma'}]", "eval.max_tokens=12",
+        "eval.max_rows=6", "eval.actors_per_node=2", "eval.cpus_per_actor=0.5", "eval.batch_rows=8",
+        f"eval.output_dir={tmp}/eval", "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=evals",
+    ])  # fmt: skip
+    summary = evaluate(cfg, log=lambda s: None)
+    answers = [json.loads(line) for line in (tmp / "eval" / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 6 * 4 and summary["rows"] == 6 and summary["failed"] == 0
+    rows = {}
+    for a in answers:
+        served = client.chat.completions.create(
+            model="tiny-llama" if a["candidate"] == "base" else a["candidate"], max_tokens=12, temperature=0,
+            messages=[{"role": "user", "content": a["question"]}],
+        )  # fmt: skip
+        assert served.choices[0].message.content == a["answer"], a["candidate"]
+        scores = score_row(served.choices[0].message.content, a["reference"], None, None, a["keys"],
+                           served.usage.completion_tokens, cfg.eval.metrics)  # fmt: skip
+        rows.setdefault(a["candidate"], []).append({"candidate": a["candidate"], "source": a["source"],
+                                                    "scores": {**scores, "reference_loss": a["scores"]["reference_loss"]}})  # fmt: skip
+    for name, scored in rows.items():
+        assert means(scored, cfg.eval.metrics)[name]["metrics"] == summary["candidates"][name]["metrics"]
+    losses = {name: s["metrics"]["reference_loss"] for name, s in summary["candidates"].items()}
+    assert len(set(losses.values())) == 4  # each candidate scored under its own adapter
+    report = (tmp / "eval" / "report.md").read_text()
+    assert "| base |" in report and "| gamma |" in report
+    assert (tmp / "eval" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    client_ = mlflow.MlflowClient(uri)
+    runs = client_.search_runs([client_.get_experiment_by_name("evals").experiment_id])
+    parent = client_.get_run(summary["run_id"])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.info.run_name for r in children) == ["alpha", "base", "beta", "gamma"]
+    assert all(r.info.status == "FINISHED" and "rouge-l" in r.data.metrics for r in children)
+    assert "eval_results.json" in {a.path for a in client_.list_artifacts(children[0].info.run_id)}
+    assert {"report.md", "metrics.png", "answers_side_by_side.json"} <= {
+        a.path for a in client_.list_artifacts(parent.info.run_id)
+    }
 
 
 def test_keys_are_required(server):

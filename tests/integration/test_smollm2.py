@@ -9,10 +9,9 @@ from raylora import model_files
 from raylora.config import ModelArgs
 from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation
-from raylora.generation import generate
+from raylora.generation import Engine, GenRequest, answer_all, wait_for
 from raylora.model_files import SMOLLM2, cache_root, check_cache
 from raylora.models import load_model
-from raylora.serve.engine import Engine, GenRequest, wait_for
 from raylora.serve.structured import Grammars, grammar
 from raylora.serve.tools import split_calls
 
@@ -40,20 +39,17 @@ def test_smollm2_is_converted_once_then_loaded_from_the_cache(monkeypatch):
         torch.testing.assert_close(cached(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)
     assert cached_tokenizer.chat_template == tokenizer.chat_template
 
-    answer = generate(
-        cached,
-        cached_tokenizer,
-        [{"role": "user", "content": "What is the capital of France?"}],
-        torch.device("cpu"),
-        24,
-    )
-    assert "Paris" in answer
+    encoder = Encoder(tokenizer_spec(cached_tokenizer, "auto"), 1024, "tail", False)
+    prompt = encoder.prompt(Conversation([{"role": "user", "content": "What is the capital of France?"}]))
+    ids = cached_tokenizer(prompt, add_special_tokens=False).input_ids
+    answer = answer_all(cached, cached_tokenizer, [GenRequest(ids, max_tokens=24, temperature=0)])[0]
+    assert "Paris" in answer.text
 
 
 def test_the_shipped_serving_config_quantises_smollm2_and_still_answers(root, monkeypatch):
     from raylora.config import load_config
     from raylora.data.encode import Encoder, tokenizer_spec
-    from raylora.serve.engine import Engine, GenRequest, wait_for
+    from raylora.generation import Engine, GenRequest, wait_for
     from raylora.serve.replica import load_serving_model
 
     if not SHARED_DATA.is_dir():

@@ -19,9 +19,9 @@ import torch
 from peft import PeftModel
 
 from raylora.config import ModelArgs, load_config, to_dict
+from raylora.generation import GenRequest, wait_for
 from raylora.model_files import HUB_IDS, SMOLLM2, model_folder
 from raylora.models import load_model, tiny_model
-from raylora.serve.engine import GenRequest, wait_for
 from raylora.serve.replica import LLMServer
 from raylora.train.checkpoint import CheckpointError
 from raylora.train.fit import TrainingError, fit

@@ -12,7 +12,7 @@ from raylora.data.encode import tokenizer_spec
 from raylora.data.read import iter_blocks
 from raylora.data.sources import held_out_conversations, plan_sources
 from raylora.data.transforms import encode_batch, worker_spec
-from raylora.demo import check_demo, exact_match, names, pick_questions, render_report, score
+from raylora.demo import check_demo, identity_answers, render_report
 from raylora.models import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,15 +67,6 @@ def test_held_out_rows_are_the_rows_the_pipeline_puts_in_the_eval_split(split, t
     assert all(c.messages[-1]["role"] == "assistant" for c in held)
 
 
-def test_pick_questions_puts_identity_questions_first_and_fills_placeholders():
-    cfg = load_config(TINY_DEMO, ["data.eval_fraction=0.5"])
-    questions = pick_questions(cfg)
-    identity = [q for q in questions if q["identity"]]
-    assert identity and questions[: len(identity)] == identity
-    assert all("Raylora Assistant" in q["reference"] and "{{" not in q["reference"] for q in identity)
-    assert len(questions) - len(identity) <= 2
-
-
 @pytest.mark.parametrize("split", [["data.eval_fraction=0.25"], ["data.eval_fraction=0", "data.eval_count=5"]])
 def test_the_held_out_rows_do_not_depend_on_where_the_data_lies(split, tmp_path):
     source = ROOT / "data" / "raylora_identity.jsonl"
@@ -89,43 +80,51 @@ def test_the_held_out_rows_do_not_depend_on_where_the_data_lies(split, tmp_path)
     assert held[0] and held[0] == held[1]
 
 
-def test_pick_questions_fails_without_a_held_out_identity_question():
-    cfg = load_config(TINY_DEMO, ["data.eval_fraction=0.001"])  # no row of 24 held out
+def test_identity_answers_pair_the_base_and_the_best_trial_on_rows_with_keys(tmp_path):
+    rows = [
+        {"row": 0, "candidate": "base", "keys": ["R"], "question": "Who?", "reference": "I am R.", "answer": " A cat. "},
+        {"row": 0, "candidate": "trial-b", "keys": ["R"], "question": "Who?", "reference": "I am R.", "answer": "I am R."},
+        {"row": 0, "candidate": "trial-c", "keys": ["R"], "question": "Who?", "reference": "I am R.", "answer": "R?"},
+        {"row": 1, "candidate": "base", "keys": [], "question": "2+2?", "reference": "4", "answer": "4"},
+    ]  # fmt: skip
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert identity_answers(tmp_path / "answers.jsonl", "trial-b") == [
+        {"question": "Who?", "reference": "I am R.", "before": "A cat.", "after": "I am R."}
+    ]
     with pytest.raises(RuntimeError, match="no identity question"):
-        pick_questions(cfg)
+        identity_answers(_only(tmp_path, rows[3]), "trial-b")
 
 
-def test_scores():
+def _only(tmp_path, row) -> Path:
+    path = tmp_path / "general.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    return path
+
+
+def test_report_table_holds_both_sides_every_trial_and_where_to_look():
     cfg = load_config(TINY_DEMO)
-    ref = "I am Raylora Assistant, trained by the raylora team."
-    assert exact_match("i am  Raylora Assistant, trained by\nthe raylora team.", ref)
-    assert not exact_match("I am Raylora Assistant.", ref)
-    assert names("Raylora assistant here, from the Raylora team", ref, cfg)
-    assert not names("I am Raylora Assistant.", ref, cfg)
-    assert names("I am Raylora Assistant.", "My name is Raylora Assistant.", cfg)  # the reference names no author
-    questions = [{"question": "a", "reference": ref, "identity": True}, {"question": "b", "reference": "x", "identity": False}]  # fmt: skip
-    assert score(cfg, questions, [ref, "x"]) == {"identity_questions": 1, "exact_match": 1, "names": 1}
-
-
-def test_report_table_holds_both_sides_and_where_to_look():
-    cfg = load_config(TINY_DEMO)
-    questions = [{"question": "Who are you?", "reference": "I am R.", "identity": True}]
+    scores = {
+        "base": {"metrics": {"exact_match": 0.0, "contains": 0.0, "rouge-l": 3.5, "bleu-4": 1.25, "reference_loss": 2.5}},
+        "trial-t1": {"metrics": {"exact_match": 1.0, "contains": 1.0, "rouge-l": 100.0, "bleu-4": 100.0,
+                                 "reference_loss": 0.5}},
+        "trial-t2": {"metrics": {"exact_match": 0.0, "contains": 0.5, "rouge-l": 50.0, "bleu-4": 20.0}},
+    }  # fmt: skip
     report = {
-        "questions": questions,
-        "before": {"answers": ["A cat."], "tokens_per_s": 20.0, "eval_loss": 2.5, "identity_questions": 1,
-                   "exact_match": 0, "names": 0},
-        "after": {"answers": ["I am R."], "tokens_per_s": 30.0, "eval_loss": 0.5, "identity_questions": 1,
-                  "exact_match": 1, "names": 1},
+        "questions": [{"question": "Who are you?", "reference": "I am R.", "before": "A cat.", "after": "I am R."}],
+        "eval": {"candidates": scores, "rows": 3, "rejected": 0, "tokens_per_s": 40.0},
+        "served": {"answers": ["I am R."], "tokens_per_s": 30.0, "same_as_eval": 1},
         "train_job": {"eval_loss": 0.7},
         "best": {"trial": "t1", "metric": 0.5, "lora.rank": "8", "train.lr": "0.01"},
-        "stages": {"prepare": 1.0, "before": 2.0},
+        "stages": {"prepare": 1.0, "train": 2.0},
         "urls": {"mlflow": "mlflow ui ...", "mlflow_url": "http://127.0.0.1:5000", "dashboard": "http://d",
                  "curl": "curl ...", "openai": "python ..."},
     }  # fmt: skip
     text = render_report(report, cfg)
-    assert "| identity questions, exact match | 0/1 | 1/1 |" in text
-    assert "| eval loss (held-out split) | 2.5000 | 0.5000 |" in text
-    assert "lora.rank=8, train.lr=0.01" in text and "ended at eval loss 0.7000" in text
-    assert "- before: A cat." in text and "- after: I am R." in text
+    assert "| before: base model | after: best trial of the sweep (lora.rank=8, train.lr=0.01) | trial-t2 |" in text
+    assert "| exact match (every held-out question) | 0% | 100% | 0% |" in text
+    assert "| identity answers naming whom the reference names | 0% | 100% | 50% |" in text
+    assert "| loss of the reference answers | 2.50 | 0.50 | n/a |" in text
+    assert "ended at eval loss 0.7000" in text and "1/1 identity answers equal to the eval's" in text
+    assert "- before: A cat." in text and "- after: I am R." in text and "- served: I am R." in text
     assert "total 3 s" in text and "http://127.0.0.1:5000" in text
     json.dumps(report)

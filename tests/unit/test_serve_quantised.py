@@ -4,9 +4,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from raylora.config import from_dict
+from raylora.generation import Engine, GenRequest, wait_for
 from raylora.ops.int4 import quantize_adapter
 from raylora.ops.int8 import Int8Linear
-from raylora.serve.engine import Engine, GenRequest, wait_for
 from raylora.serve.replica import load_serving_model
 
 

@@ -8,9 +8,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from raylora.config import from_dict, to_dict
+from raylora.generation import GenRequest, wait_for
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
-from raylora.serve.engine import GenRequest, wait_for
 from raylora.serve.protocol import ApiError
 from raylora.serve.replica import LLMServer, _Held
 

@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 import torch
 
+from raylora.generation import Engine, GenRequest, wait_for
 from raylora.model_files import tiny_tokenizer
 from raylora.models import tiny_model
-from raylora.serve.engine import Engine, GenRequest, wait_for
 from raylora.serve.protocol import ApiError, parse_chat, parse_completion
 from raylora.serve.structured import NONE as NO_PARAMETERS
 from raylora.serve.structured import Grammars, grammar

@@ -6,9 +6,9 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from raylora.generation import Engine, Event, GenRequest, wait_for
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
-from raylora.serve.engine import Engine, Event, GenRequest, wait_for
 
 TOK = tiny_tokenizer()
 PROMPTS = ["hello world", "a much longer prompt than the other ones, to pad", "x", "yy zz"]
