@@ -27,6 +27,11 @@ def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, **
     return field(default=default, metadata={"help": help, **rules})
 
 
+# The metrics `raylora eval` computes (raylora.eval.metrics), in the order reports show them.
+METRICS = ("exact_match", "contains", "rouge-1", "rouge-2", "rouge-l", "bleu-4", "tool_name", "tool_args",
+           "tool_json", "length", "reference_loss")  # fmt: skip
+
+
 @dataclass
 class SourceArgs:
     path: str | None = _f(
@@ -189,8 +194,10 @@ class TuneArgs:
     num_samples: int = _f(4, help="trials to run (with search: grid, passes over the whole grid)", min=1)
     metric: str = _f(
         "eval_loss",
-        help="metric to optimise, as training reports it (eval_* every train.eval_every steps; loss every log_every)",
-        choices=("eval_loss", "eval_perplexity", "loss"),
+        help="metric to optimise: as training reports it (eval_* every train.eval_every steps; loss every log_every), "
+        "or a metric of raylora eval (exact_match, rouge-l, ...: ASHA then stops trials on eval_loss, and the best "
+        "completed trial is the one whose answers to the eval set score best)",
+        choices=("eval_loss", "eval_perplexity", "loss", *(m for m in METRICS if m != "length")),
     )
     mode: str = _f("min", help="optimisation direction", choices=("min", "max"))
     max_concurrent: int | None = _f(
@@ -209,6 +216,20 @@ class TuneArgs:
     register_as: str | None = _f(
         None, help="MLflow registered model name of the best adapter (None: the name of train.output_dir's folder)"
     )
+
+    @property
+    def answers(self) -> bool:
+        """Whether the best trial is chosen on its answers (``metric`` is a generation metric of raylora eval)."""
+        return self.metric in METRICS
+
+    @property
+    def rung_metric(self) -> str:
+        """What trials report to Tune and ASHA compares at its rungs: ``metric``, or eval_loss for a generation one."""
+        return "eval_loss" if self.answers else self.metric
+
+    @property
+    def rung_mode(self) -> str:
+        return "min" if self.answers else self.mode
 
 
 @dataclass
@@ -317,11 +338,6 @@ class EvalArgs:
     )
     output_dir: str = _f("outputs/eval", help="where answers.jsonl, rejects.jsonl, report.md/.json and the chart go",
                          nonempty=True)  # fmt: skip
-
-
-# The metrics `raylora eval` computes (raylora.eval.metrics), in the order reports show them.
-METRICS = ("exact_match", "contains", "rouge-1", "rouge-2", "rouge-l", "bleu-4", "tool_name", "tool_args",
-           "tool_json", "length", "reference_loss")  # fmt: skip
 
 
 @dataclass

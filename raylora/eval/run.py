@@ -26,9 +26,13 @@ from raylora.model_files import ModelError, load_tokenizer
 from raylora.models import model_skeleton
 
 
-def check_eval(cfg: JobConfig, source: str = "config") -> tuple[list[Candidate], list[EvalRow], list[dict]]:
+def check_eval(
+    cfg: JobConfig, source: str = "config", with_candidates: bool = True
+) -> tuple[list[Candidate], list[EvalRow], list[dict]]:
     """The candidates, the eval set's rows and its rejects, or every problem with them.
 
+    Args:
+        with_candidates: False checks the eval set and metrics alone (a sweep, whose trials do not exist yet).
     Raises:
         ConfigError: listing every problem: an unknown metric, a candidate that is missing, not an adapter, trained
             on another base or not in the registry; an eval set that cannot be read or holds no row with a reference.
@@ -44,7 +48,7 @@ def check_eval(cfg: JobConfig, source: str = "config") -> tuple[list[Candidate],
         skeleton, tokenizer = model_skeleton(cfg.model), load_tokenizer(cfg.model)
     except ModelError as e:
         raise ConfigError([*problems, ("model.name_or_path", str(e))], source) from None
-    candidates, found = resolve(cfg, skeleton)
+    candidates, found = resolve(cfg, skeleton) if with_candidates else ([], [])
     problems += found
     rows: list[EvalRow] = []
     rejects: list[dict] = []

@@ -68,7 +68,7 @@ class GroupWorker:
     def run(self, broker, index: int, generation: int) -> int:
         """Train members as they come and go; returns the number of steps taken."""
         group = self.group
-        metric = group.cfg.tune.metric
+        metric = group.cfg.tune.rung_metric
         loggers: dict[str, Any] = {}  # member -> its MLflow child run's metric logger (rank 0 logs for its members)
         held: set[str] = set()  # members whose metric report Tune has not answered yet (rank 0 keeps it)
         reports: list[tuple[str, dict]] = []

@@ -135,10 +135,12 @@ def run_member(values: dict[str, Any], job: dict, parent: str | None, broker) ->
         folder = report.pop("checkpoint")
         done = report.pop("done")
         resume_from = folder or resume_from
-        if cfg.tune.metric in report:
+        if cfg.tune.rung_metric in report:
             checkpoint = tune.Checkpoint.from_directory(folder) if folder else None
             # the metric first: Tune's table shows a trial's first four reported metrics
-            tune.report({cfg.tune.metric: report[cfg.tune.metric], **report, "done": done}, checkpoint=checkpoint)
+            tune.report(
+                {cfg.tune.rung_metric: report[cfg.tune.rung_metric], **report, "done": done}, checkpoint=checkpoint
+            )
         if done:
             return
 

@@ -73,7 +73,11 @@ def check(cfg: JobConfig) -> None:
         if importlib.util.find_spec("optuna") is None:
             problems.append(("tune.search", "optuna is not installed; pip install optuna, or use search: random"))
     evaluates = cfg.data.eval_fraction > 0 or cfg.data.eval_count is not None
-    if tune.metric.startswith("eval_") and not evaluates:
+    lower_better = tune.metric in ("eval_loss", "eval_perplexity", "loss", "reference_loss")
+    if tune.answers and tune.mode != ("min" if lower_better else "max"):
+        problems.append(("tune.mode", f"is {tune.mode}, and a {'lower' if lower_better else 'higher'} {tune.metric} "
+                                      f"is better; set tune.mode={'min' if lower_better else 'max'}"))  # fmt: skip
+    if tune.rung_metric.startswith("eval_") and not evaluates:
         problems.append(
             (
                 "tune.metric",
@@ -81,7 +85,7 @@ def check(cfg: JobConfig) -> None:
                 "(e.g. 0.1) or data.eval_count, or use tune.metric=loss",
             )
         )
-    if tune.scheduler == "asha" and tune.metric.startswith("eval_") and cfg.train.eval_every == 0:
+    if tune.scheduler == "asha" and tune.rung_metric.startswith("eval_") and cfg.train.eval_every == 0:
         problems.append(
             (
                 "train.eval_every",
@@ -97,12 +101,12 @@ def check(cfg: JobConfig) -> None:
                 (key, f"is {grace}, past train.max_steps={cfg.train.max_steps}: ASHA's first rung must come before "
                       "the last step; lower it, or use tune.scheduler=none")
             )  # fmt: skip
-        elif grace == 0 and not tune.metric.startswith("eval_"):  # an eval metric: the eval_every problem above
+        elif grace == 0 and not tune.rung_metric.startswith("eval_"):  # an eval metric: the eval_every problem above
             problems.append(
                 ("tune.grace_steps", "is not set and train.eval_every is 0: ASHA needs the steps every trial runs "
                                      f"before it may stop one; set it (e.g. {max(1, cfg.train.max_steps // 4)})")
             )  # fmt: skip
-        elif grace and not (tune.metric.startswith("eval_") and cfg.train.eval_every == 0):
+        elif grace and not (tune.rung_metric.startswith("eval_") and cfg.train.eval_every == 0):
             problems += _check_first_rung(cfg, grace)
     if tune.register_as is not None:
         try:
@@ -157,7 +161,7 @@ def _check_first_rung(cfg: JobConfig, grace: int) -> list[tuple[str, str]]:
     ASHA decides at a trial's first report at or past a rung; at ``max_t`` (``train.max_steps``) it only ends the
     trial. Trials report an ``eval_*`` metric at evaluations, the loss at every logged, evaluated or checkpointed step.
     """
-    last, metric = cfg.train.max_steps, cfg.tune.metric
+    last, metric = cfg.train.max_steps, cfg.tune.rung_metric
     keys = ["train.eval_every"]
     if not metric.startswith("eval_"):
         keys = ["train.log_every", *keys, "train.checkpoint_every"]

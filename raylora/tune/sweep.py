@@ -44,6 +44,7 @@ from raylora.cluster import ensure_ray, sigterm_stops
 from raylora.config import ConfigError, JobConfig, from_dict, to_dict, to_record
 from raylora.data.pipeline import DataError, training_data
 from raylora.data.sources import plan_sources
+from raylora.eval.run import check_eval, evaluate
 from raylora.registry import register
 from raylora.runs import flatten, parent_run
 from raylora.tracking import check_reachable, finish_run, tracking_uri
@@ -137,8 +138,8 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             trainable,
             param_space=space.to_tune(cfg.tune.space, cfg.tune.search),
             tune_config=tune.TuneConfig(
-                metric=cfg.tune.metric,
-                mode=cfg.tune.mode,
+                metric=cfg.tune.rung_metric,
+                mode=cfg.tune.rung_mode,
                 num_samples=cfg.tune.num_samples,
                 search_alg=_searcher(cfg, at_once),
                 scheduler=_scheduler(cfg),
@@ -165,6 +166,8 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
         raise stopped_by_signal
     rows = [_finish_trial(cfg, result) for result in grid]
     completed = [r for r in rows if r["status"] == "completed"]
+    if cfg.tune.answers and completed:
+        _score_answers(cfg, out, rows, log)
     _write_table(rows, out / "results.csv")
     _plot(cfg, rows, out / "sweep.png")
     if not completed:
@@ -173,7 +176,11 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             f"no trial of the sweep completed ({', '.join(r['trial'] + ': ' + r['status'] for r in rows)}); "
             f"see {out / 'results.csv'}, each trial's folder under {out / 'trials'} and its MLflow child run"
         )
-    best = (min if cfg.tune.mode == "min" else max)(completed, key=lambda r: r["metric"])
+    if cfg.tune.answers:  # equal scores (a few rows, coarse metrics): the lower eval loss wins
+        sign = 1 if cfg.tune.mode == "max" else -1
+        best = max(completed, key=lambda r: (sign * r["metric"], -r["eval_loss"]))
+    else:
+        best = (min if cfg.tune.mode == "min" else max)(completed, key=lambda r: r["metric"])
     shutil.rmtree(out / "best", ignore_errors=True)
     shutil.copytree(Path(best["dir"]) / "adapter", out / "best" / "adapter")
     (out / "best" / "config.yaml").write_text((Path(best["dir"]) / "config.yaml").read_text())
@@ -225,6 +232,30 @@ def _completed_trials(cfg: JobConfig, out: Path) -> list[Path]:
     return [f for f in folders if _final_checkpoint(f, cfg.train.max_steps) is not None]
 
 
+def _score_answers(cfg: JobConfig, out: Path, rows: list[dict[str, Any]], log) -> None:
+    """``tune.metric`` of each completed trial: its answers to the eval set, scored by ``raylora eval`` (one pass over
+    every trial's adapter, ``out/eval``). Each row's ``eval_loss`` keeps the metric its trial reported; ``metric``
+    becomes the answers' score (NaN for trials that did not complete); each trial's MLflow child run gets it too."""
+    metrics = list(dict.fromkeys([*cfg.eval.metrics, cfg.tune.metric]))
+    job = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, candidates=[str(out)], metrics=metrics,
+                                                            output_dir=str(out / "eval")))  # fmt: skip
+    scores = evaluate(job, "the sweep", log)["candidates"]
+    client = None
+    if cfg.tracking.enabled:
+        import mlflow  # see _check_parent
+
+        client = mlflow.MlflowClient(tracking_uri(cfg.tracking))
+    for row in rows:
+        row["eval_loss"] = row["metric"]
+        got = scores.get(f"trial-{row['trial']}")
+        row["metric"] = (
+            got["metrics"].get(cfg.tune.metric, math.nan) if got and row["status"] == "completed" else math.nan
+        )
+        saved = Path(row["dir"]) / "mlflow_run.json"
+        if client is not None and saved.exists() and math.isfinite(row["metric"]):
+            client.log_metric(json.loads(saved.read_text())["run_id"], cfg.tune.metric, row["metric"])
+
+
 def _check_data(cfg: JobConfig, data) -> None:
     """What only the prepared data tells, before any trial: an eval metric needs eval rows, and the largest
     trial a micro-batch per worker.
@@ -232,7 +263,7 @@ def _check_data(cfg: JobConfig, data) -> None:
     Raises:
         ConfigError: the eval split came out empty. DataError: too few training sequences for the largest trial.
     """
-    if cfg.tune.metric.startswith("eval_") and data.eval is None:
+    if cfg.tune.rung_metric.startswith("eval_") and data.eval is None:
         raise ConfigError(
             [("data.eval_fraction", f"left no eval rows, and tune.metric={cfg.tune.metric} needs them; raise "
                                     "data.eval_fraction (or set data.eval_count), or use tune.metric=loss")],
@@ -248,9 +279,11 @@ def _check_data(cfg: JobConfig, data) -> None:
 
 
 def check_sweep(cfg: JobConfig) -> None:
-    """The search space's and, for a grouped sweep, the groups' problems, all in one :class:`ConfigError`."""
+    """The search space's, for a grouped sweep the groups', and for a sweep choosing on answers the eval set's
+    problems, all in one :class:`ConfigError`."""
     problems = []
-    for check in [space.check] + ([groups.check] if cfg.tune.trials_per_group > 1 else []):
+    checks = [space.check] + ([groups.check] if cfg.tune.trials_per_group > 1 else [])
+    for check in checks + ([lambda c: check_eval(c, with_candidates=False)] if cfg.tune.answers else []):
         try:
             check(cfg)
         except ConfigError as e:
@@ -413,7 +446,7 @@ def _finish_trial(cfg: JobConfig, result) -> dict[str, Any]:
     values = {k: (result.config or {}).get(k) for k in cfg.tune.space}
     trial = metrics.get("trial_id") or _trial_id(Path(result.path))
     out = Path(cfg.train.output_dir).resolve() / "trials" / trial
-    value = metrics.get(cfg.tune.metric)
+    value = metrics.get(cfg.tune.rung_metric)
     metric = float(value) if value is not None else math.nan
     final = _final_checkpoint(out, cfg.train.max_steps)
     if result.error is not None or (value is not None and not math.isfinite(metric)):
@@ -424,7 +457,7 @@ def _finish_trial(cfg: JobConfig, result) -> dict[str, Any]:
     else:
         status = "stopped early"
     if status == "failed":  # the reason, where the sweep's message sends the user (it was in the console only)
-        reason = str(result.error) if result.error is not None else f"{cfg.tune.metric} is {metric}, not finite"
+        reason = str(result.error) if result.error is not None else f"{cfg.tune.rung_metric} is {metric}, not finite"
         out.mkdir(parents=True, exist_ok=True)
         (out / "error.txt").write_text(reason + "\n")
     saved = out / "mlflow_run.json"

@@ -37,10 +37,10 @@ def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | N
     out.mkdir(parents=True, exist_ok=True)
     cfg = trial_config(job, values, out)
     run_id = child_run(cfg, out, parent, trial_id, values, newest_checkpoint(out) is not None)  # Train resumes there
-    settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.metric)]}
+    settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.rung_metric)]}
     try:
         # ASHA reads the metric at every report that holds it: evaluations carry eval_*, logged steps the loss
-        every = 0 if cfg.tune.metric.startswith("eval_") else cfg.train.log_every
+        every = 0 if cfg.tune.rung_metric.startswith("eval_") else cfg.train.log_every
         check_outcome(build_trainer(cfg, out, datasets, run_id, settings, every).fit(), cfg)
     except Exception as e:
         raise TrainingError(f"trial {trial_id} ({values}): {e}") from None

@@ -79,6 +79,35 @@ def test_each_trial_has_its_mlflow_child_run(swept):
         assert steps == list(range(2, 2 * len(steps) + 1, 2)) and "eval_loss" in child.data.metrics
 
 
+def test_a_sweep_choosing_on_exact_match_scores_every_completed_trials_answers(tmp_path, ray_session):
+    """tune.metric=exact_match: the trials train (and would be cut by ASHA) on eval loss; raylora eval then scores
+    every completed trial's answers on the held-out questions in one pass, and the best is the best-scoring trial
+    (equal scores: the lower eval loss)."""
+    cfg = load_config(
+        ROOT / "configs/tiny_sweep_cpu.yaml",
+        [f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=true",
+         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=answers",
+         "tune.space={train.lr: {grid: [0.03, 1.0e-7]}}", "tune.search=grid", "tune.num_samples=1",
+         "tune.scheduler=none", "tune.trials_per_group=2", "tune.metric=exact_match", "tune.mode=max",
+         "eval.keys=[Raylora Assistant]", "eval.max_tokens=16"],
+    )  # fmt: skip
+    result = sweep(cfg, log=lambda s: None)
+    report = json.loads((tmp_path / "sweep" / "eval" / "report.json").read_text())
+    scores = {name: s["metrics"]["exact_match"] for name, s in report["candidates"].items()}
+    assert set(scores) == {f"trial-{r['trial']}" for r in result["trials"]}
+    rows = {r["trial"]: r for r in result["trials"]}
+    assert all(rows[t]["metric"] == scores[f"trial-{t}"] for t in rows)
+    top = max(scores.values())
+    tied = [t for t in rows if scores[f"trial-{t}"] == top]
+    assert result["best"]["trial"] == min(tied, key=lambda t: rows[t]["eval_loss"])
+    table = (tmp_path / "sweep" / "results.csv").read_text().splitlines()
+    assert table[0] == "trial,train.lr,status,steps,metric,eval_loss"
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    trial_runs = {json.loads((Path(r["dir"]) / "mlflow_run.json").read_text())["run_id"]: r for r in rows.values()}
+    for run_id, row in trial_runs.items():
+        assert client.get_run(run_id).data.metrics["exact_match"] == row["metric"]
+
+
 def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
     """Two trials share a group (on both cores, so in two lanes) and finish; the driver is killed while the third
     trains; ``--resume`` restores the sweep with Tune: the finished two are not rerun (their join records are

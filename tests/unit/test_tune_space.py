@@ -148,3 +148,17 @@ def test_a_first_rung_no_report_reaches_is_refused():
                  ["tune.metric=loss", "tune.grace_steps=7", "train.checkpoint_every=7"],
                  ["tune.metric=loss", "tune.grace_steps=7", "tune.space={train.log_every: {choice: [1, 2]}}"]):  # fmt: skip
         space.check(load_config(TINY, fine))
+
+
+def test_a_generation_metric_reports_eval_loss_to_asha_and_needs_its_direction():
+    tune = load_config(TINY, ["tune.metric=exact_match", "tune.mode=max"]).tune
+    assert (tune.answers, tune.rung_metric, tune.rung_mode) == (True, "eval_loss", "min")
+    space.check(load_config(TINY, ["tune.metric=exact_match", "tune.mode=max"]))
+    assert "set tune.mode=max" in problems("tune.metric=rouge-l", "tune.mode=min")["tune.mode"]
+    assert "set tune.mode=min" in problems("tune.metric=reference_loss", "tune.mode=max")["tune.mode"]
+    assert (
+        "needs an eval split"
+        in problems("tune.metric=exact_match", "tune.mode=max", "data.eval_fraction=0")["tune.metric"]
+    )
+    plain = load_config(TINY).tune
+    assert (plain.answers, plain.rung_metric, plain.rung_mode) == (False, "eval_loss", "min")
