@@ -29,7 +29,7 @@ def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, **
 
 # The metrics `raylora eval` computes (raylora.eval.metrics), in the order reports show them.
 METRICS = ("exact_match", "contains", "rouge-1", "rouge-2", "rouge-l", "bleu-4", "tool_name", "tool_args",
-           "tool_json", "length", "reference_loss")  # fmt: skip
+           "tool_json", "length", "reference_loss", "judge")  # fmt: skip
 
 
 @dataclass
@@ -300,6 +300,29 @@ class ExportArgs:
 
 
 @dataclass
+class JudgeArgs:
+    url: str | None = _f(
+        None,
+        help="an OpenAI-compatible endpoint (its /v1 base URL, raylora serve's included) that scores each answer "
+        "(None: no judge)",
+    )
+    model: str = _f("judge", help="the judge's model name, as the endpoint lists it", nonempty=True)
+    prompt: str = _f(
+        "Score how well the answer matches the reference answer to the question, from 0 (wrong or unrelated) to 10 "
+        "(as good as the reference). Reply with the number only.\n\nQuestion: {question}\n\nReference answer: "
+        "{reference}\n\nAnswer: {answer}",
+        help="the judge's prompt, with {question}, {reference} and {answer}; the first number of its reply, 0-10, is "
+        "the row's judge score (shown over 10)",
+        nonempty=True,
+    )
+    api_key_env: str | None = _f(None, help="environment variable holding the endpoint's bearer key (None: no key)")
+    max_tokens: int = _f(8, help="tokens the judge may write", min=1)
+    retries: int = _f(2, help="retries of a failed request before its row is left unjudged (counted)", min=0)
+    timeout_s: float = _f(60.0, help="seconds to wait for one judgement", gt=0)
+    concurrency: int = _f(8, help="judgements in flight at once", min=1)
+
+
+@dataclass
 class EvalArgs:
     candidates: list[str] = _f(
         help="what answers: base (the base model), adapter folders, models:/NAME/VERSION (MLflow registry), or a "
@@ -321,7 +344,7 @@ class EvalArgs:
     metrics: list[str] = _f(
         help="scores per candidate: exact_match, contains, rouge-1, rouge-2, rouge-l, bleu-4 (as LLaMA-Factory's "
         "predict reports them), tool_name, tool_args, tool_json, length, reference_loss (cross-entropy per token of "
-        "the reference answer)",
+        "the reference answer), judge (eval.judge's score, 0-10)",
         factory=lambda: list(METRICS),
         nonempty=True,
     )
@@ -336,6 +359,7 @@ class EvalArgs:
     batch_rows: int = _f(
         64, help="rows handed to an actor at once (its engine decodes serve.max_batch_size of them together)", min=1
     )
+    judge: JudgeArgs = _f(help="a model scoring each answer against its reference (optional)", factory=JudgeArgs)
     output_dir: str = _f("outputs/eval", help="where answers.jsonl, rejects.jsonl, report.md/.json and the chart go",
                          nonempty=True)  # fmt: skip
 

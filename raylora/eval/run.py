@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from raylora.config import METRICS, ConfigError, JobConfig
 from raylora.data.sources import DataError
 from raylora.eval.candidates import Candidate, resolve
 from raylora.eval.generate import generate
+from raylora.eval.judge import judge_all
 from raylora.eval.metrics import means, score_row
 from raylora.eval.report import log_runs, plot, render, write_jsonl
 from raylora.eval.rows import EvalRow, eval_rows
@@ -41,6 +43,12 @@ def check_eval(
     unknown = [m for m in cfg.eval.metrics if m not in METRICS]
     if unknown:
         problems.append(("eval.metrics", f"unknown {', '.join(map(repr, unknown))}; known: {', '.join(METRICS)}"))
+    judge = cfg.eval.judge
+    if judge.url and not judge.url.startswith(("http://", "https://")):
+        problems.append(("eval.judge.url", f"got {judge.url!r}: give the endpoint's http(s) base URL, e.g. "
+                                           "http://127.0.0.1:8000/v1"))  # fmt: skip
+    if judge.url and judge.api_key_env and not os.environ.get(judge.api_key_env):
+        problems.append(("eval.judge.api_key_env", f"${judge.api_key_env} is not set in this environment"))
     if not cfg.eval.sources and not (cfg.data.eval_fraction or cfg.data.eval_count):
         problems.append(("eval.sources", "is empty and data has no eval split: name the eval set's files, or hold "
                                          "rows out with data.eval_fraction / data.eval_count"))  # fmt: skip
@@ -96,12 +104,21 @@ def evaluate(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
             scores["reference_loss"] = None if math.isnan(g["reference_loss"]) else g["reference_loss"]
         answers.append({"row": r.row, "source": r.source, "line": r.line, "question": r.question,
                         "reference": r.reference, "keys": r.keys, **g, "scores": scores})  # fmt: skip
+    unjudged = 0
+    if cfg.eval.judge.url and "judge" in cfg.eval.metrics:
+        scored = [a for a in answers if not a["error"]]
+        for a, (value, reason) in zip(scored, judge_all(cfg.eval.judge, scored), strict=True):
+            a["scores"]["judge"], a["judge_error"] = value, reason
+            unjudged += value is None
+        if unjudged:
+            log(f"{unjudged} answers were left unjudged (their reasons are in answers.jsonl, judge_error)")
     failed = [a for a in answers if a["error"]]
     summary = {
         "eval_set": ", ".join(s.path or s.name or "" for s in cfg.eval.sources) or "the held-out split of data.sources",
         "rows": len(rows),
         "rejected": len(rejects),
         "failed": len(failed),
+        "unjudged": unjudged,
         "metrics": [m for m in METRICS if m in cfg.eval.metrics],
         "generation": {"max_tokens": cfg.eval.max_tokens, "temperature": cfg.eval.temperature},
         "candidates": means([a for a in answers if not a["error"]], cfg.eval.metrics),

@@ -77,6 +77,8 @@ def check(cfg: JobConfig) -> None:
     if tune.answers and tune.mode != ("min" if lower_better else "max"):
         problems.append(("tune.mode", f"is {tune.mode}, and a {'lower' if lower_better else 'higher'} {tune.metric} "
                                       f"is better; set tune.mode={'min' if lower_better else 'max'}"))  # fmt: skip
+    if tune.metric == "judge" and not cfg.eval.judge.url:
+        problems.append(("tune.metric", "judge scores answers with eval.judge.url's model, and it is not set"))
     if tune.rung_metric.startswith("eval_") and not evaluates:
         problems.append(
             (

@@ -301,15 +301,19 @@ def test_concurrent_mixed_adapters_batch_together_and_match_alone(server, client
     assert {i: results.get(i) for i in range(len(names))} == {i: expected[n] for i, n in enumerate(names)}
 
 
-def test_greedy_eval_on_two_actors_answers_and_scores_as_the_server_does(server, client):
+def test_greedy_eval_on_two_actors_answers_and_scores_as_the_server_does(server, client, monkeypatch):
     """`raylora eval` of the base and three adapters on two Ray Data actors: every answer equals the server's greedy
-    answer to the same question, so the scores do too; MLflow holds a parent and a child per candidate."""
+    answer to the same question, so the scores do too; the server is also the judge (the tiny model rarely writes a
+    score: such rows are counted unjudged, with the reason); MLflow holds a parent and a child per candidate."""
     root, tmp = server["root"], server["tmp"]
+    monkeypatch.setenv("RAYLORA_TEST_KEY", KEY)
     uri = f"sqlite:///{tmp}/eval.db"
     cfg = load_config(ROOT / "configs/tiny_eval_cpu.yaml", [
         f"eval.candidates=[base, {root / 'alpha'}, {root / 'beta'}, {root / 'gamma'}]", "eval.max_tokens=12",
         "eval.max_rows=6", "eval.actors_per_node=2", "eval.cpus_per_actor=0.5", "eval.batch_rows=8",
         f"eval.output_dir={tmp}/eval", "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=evals",
+        f"eval.judge.url={server['url']}/v1", "eval.judge.model=tiny-llama", "eval.judge.api_key_env=RAYLORA_TEST_KEY",
+        "eval.judge.retries=0",
     ])  # fmt: skip
     summary = evaluate(cfg, log=lambda s: None)
     answers = [json.loads(line) for line in (tmp / "eval" / "answers.jsonl").read_text().splitlines()]
@@ -324,9 +328,13 @@ def test_greedy_eval_on_two_actors_answers_and_scores_as_the_server_does(server,
         scores = score_row(served.choices[0].message.content, a["reference"], None, None, a["keys"],
                            served.usage.completion_tokens, cfg.eval.metrics)  # fmt: skip
         rows.setdefault(a["candidate"], []).append({"candidate": a["candidate"], "source": a["source"],
-                                                    "scores": {**scores, "reference_loss": a["scores"]["reference_loss"]}})  # fmt: skip
+                                                    "scores": {**scores, "reference_loss": a["scores"]["reference_loss"],
+                                                               "judge": a["scores"].get("judge")}})  # fmt: skip
     for name, scored in rows.items():
         assert means(scored, cfg.eval.metrics)[name]["metrics"] == summary["candidates"][name]["metrics"]
+    judged = [a["scores"]["judge"] for a in answers]
+    assert all((j is None) == bool(a["judge_error"]) for j, a in zip(judged, answers, strict=True))
+    assert summary["unjudged"] == judged.count(None) and all(0 <= j <= 10 for j in judged if j is not None)
     losses = {name: s["metrics"]["reference_loss"] for name, s in summary["candidates"].items()}
     assert len(set(losses.values())) == 4  # each candidate scored under its own adapter
     report = (tmp / "eval" / "report.md").read_text()
