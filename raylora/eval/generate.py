@@ -5,7 +5,7 @@ candidate adapter attached through the serving replica's :class:`~raylora.serve.
 :class:`~raylora.generation.Engine`: the rows of a batch, whatever candidate each asks, decode together (peft's
 mixed-adapter batch), ``serve.max_batch_size`` at a time, continuously batched. The dataset holds one row per
 (prompt, candidate), candidates interleaved, so every batch mixes adapters; ``map_batches`` streams batches through
-``eval.actors_per_node`` actors per node.
+``eval.actors_per_node`` actors per node, two batches in flight in each.
 """
 
 from __future__ import annotations
@@ -113,6 +113,9 @@ def generate(cfg: JobConfig, rows: list[EvalRow], candidates: list[Candidate]) -
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=cfg.eval.cpus_per_actor,
+        # two batches at once per actor, both feeding its one engine: while one batch's last answers finish, the
+        # next one's rows already fill the decode batch
+        max_concurrency=2,
     )
     order = {c.name: k for k, c in enumerate(candidates)}
     out = [{k: (v.item() if isinstance(v, np.generic) else v) for k, v in row.items()} for row in answers.iter_rows()]

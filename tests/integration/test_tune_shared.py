@@ -7,6 +7,7 @@ reach a rung, so with all four at once the order in which their reports reached 
 The two slow ones join the group as the first two end, and meet both results at their first rung.
 """
 
+import csv
 import json
 import os
 import signal
@@ -79,47 +80,23 @@ def test_each_trial_has_its_mlflow_child_run(swept):
         assert steps == list(range(2, 2 * len(steps) + 1, 2)) and "eval_loss" in child.data.metrics
 
 
-def test_a_sweep_choosing_on_exact_match_scores_every_completed_trials_answers(tmp_path, ray_session):
-    """tune.metric=exact_match: the trials train (and would be cut by ASHA) on eval loss; raylora eval then scores
-    every completed trial's answers on the held-out questions in one pass, and the best is the best-scoring trial
-    (equal scores: the lower eval loss)."""
-    cfg = load_config(
-        ROOT / "configs/tiny_sweep_cpu.yaml",
-        [f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=true",
-         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=answers",
-         "tune.space={train.lr: {grid: [0.03, 1.0e-7]}}", "tune.search=grid", "tune.num_samples=1",
-         "tune.scheduler=none", "tune.trials_per_group=2", "tune.metric=exact_match", "tune.mode=max",
-         "eval.keys=[Raylora Assistant]", "eval.max_tokens=16"],
-    )  # fmt: skip
-    result = sweep(cfg, log=lambda s: None)
-    report = json.loads((tmp_path / "sweep" / "eval" / "report.json").read_text())
-    scores = {name: s["metrics"]["exact_match"] for name, s in report["candidates"].items()}
-    assert set(scores) == {f"trial-{r['trial']}" for r in result["trials"]}
-    rows = {r["trial"]: r for r in result["trials"]}
-    assert all(rows[t]["metric"] == scores[f"trial-{t}"] for t in rows)
-    top = max(scores.values())
-    tied = [t for t in rows if scores[f"trial-{t}"] == top]
-    assert result["best"]["trial"] == min(tied, key=lambda t: rows[t]["eval_loss"])
-    table = (tmp_path / "sweep" / "results.csv").read_text().splitlines()
-    assert table[0] == "trial,train.lr,status,steps,metric,eval_loss"
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    trial_runs = {json.loads((Path(r["dir"]) / "mlflow_run.json").read_text())["run_id"]: r for r in rows.values()}
-    for run_id, row in trial_runs.items():
-        assert client.get_run(run_id).data.metrics["exact_match"] == row["metric"]
-
-
 def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
     """Two trials share a group (on both cores, so in two lanes) and finish; the driver is killed while the third
     trains; ``--resume`` restores the sweep with Tune: the finished two are not rerun (their join records are
-    untouched) and the third completes."""
+    untouched) and the third completes.
+
+    The sweep chooses on answers (tune.metric=exact_match): the trials train on eval loss; once they end, raylora eval
+    scores every completed trial's answers to the held-out questions in one pass, and the best is the best-scoring
+    trial (equal scores: the lower eval loss), its score in results.csv and in the trial's MLflow run."""
     # Tune saves the sweep's state every 10 s or so by default: a trial that ended since the last save is rerun.
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TUNE_GLOBAL_CHECKPOINT_S": "0.5"}
     # one group on both cores: its two members run in two lanes
     cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
-           f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=false",
-           "tune.space={train.lr: {grid: [0.03, 0.02, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
-           "tune.scheduler=none", "tune.trials_per_group=2", "tune.max_concurrent=2", "train.max_steps=30",
-           "train.cpus_per_worker=2"]  # fmt: skip
+           f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=true",
+           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tune.space={train.lr: {grid: [0.03, 0.02, 0.01]}}",
+           "tune.search=grid", "tune.num_samples=1", "tune.scheduler=none", "tune.trials_per_group=2",
+           "tune.max_concurrent=2", "train.max_steps=30", "train.cpus_per_worker=2", "tune.metric=exact_match",
+           "tune.mode=max", "eval.keys=[Raylora Assistant]", "eval.max_tokens=16"]  # fmt: skip
     driver = subprocess.Popen(
         cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -146,6 +123,20 @@ def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_pa
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
     assert len(rows) == 3 and all(",completed,30," in row for row in rows), rows
     assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
+    report = json.loads((tmp_path / "sweep" / "eval" / "report.json").read_text())
+    scores = {name.removeprefix("trial-"): s["metrics"]["exact_match"] for name, s in report["candidates"].items()}
+    table = list(csv.DictReader((tmp_path / "sweep" / "results.csv").open()))
+    assert list(table[0]) == ["trial", "train.lr", "status", "steps", "metric", "eval_loss"]
+    assert {r["trial"]: float(r["metric"]) for r in table} == scores
+    top = max(scores.values())
+    best = min((r for r in table if float(r["metric"]) == top), key=lambda r: float(r["eval_loss"]))
+    assert (tmp_path / "sweep" / "best" / "config.yaml").read_text() == (
+        trials / best["trial"] / "config.yaml"
+    ).read_text()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for r in table:
+        run_id = json.loads((trials / r["trial"] / "mlflow_run.json").read_text())["run_id"]
+        assert client.get_run(run_id).data.metrics["exact_match"] == float(r["metric"])
     worker = json.loads((tmp_path / "sweep" / "groups" / "group0.rank0.json").read_text())
     assert worker["lanes"] == 2
     # Ray starts workers at niceness 15; the group's threads train at 0 where the privilege allows
