@@ -28,9 +28,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 # a fresh machine for the model too: an empty model cache, so the suite converts the default model itself.
 # Two pytest processes, each taking whole files (a file's tests share its Ray cluster and trained adapters) in the
 # order tests/conftest.py gives, longest first: most tests wait on Ray, servers and subprocesses, so two keep both
-# cores busy (docs/testing.md).
+# cores busy (docs/testing.md). A worker that dies ends the run at once, naming its test: pytest-xdist 3.8 replacing a
+# crashed worker under --dist loadfile can wait forever (pytest-xdist#784).
 test: install
-	cache=$$(mktemp -d) && RAYLORA_CACHE=$$cache $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests; \
+	cache=$$(mktemp -d) && RAYLORA_CACHE=$$cache $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+		--max-worker-restart=0 --durations=15 tests; \
 		status=$$?; rm -rf $$cache; exit $$status
 
 test-unit: install

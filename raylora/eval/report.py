@@ -108,7 +108,7 @@ def log_runs(
         if c.run_id:
             tags[TRAINED_BY] = c.run_id
         child = start_run(cfg.tracking, c.name, {"candidate": c.name, "adapter": c.path or "base"}, tags=tags)
-        s = summary["candidates"][c.name]
+        s = summary["candidates"].get(c.name, {"metrics": {}, "sources": {}})  # absent: every answer failed
         values = {**s["metrics"], **{f"{src}/{m}": v for src, got in s["sources"].items() for m, v in got.items()}}
         client.log_batch(child, metrics=[mlflow.entities.Metric(_key(k), v, 0, 0) for k, v in values.items()])
         mine = [a for a in answers if a["candidate"] == c.name]
