@@ -5,7 +5,7 @@ candidate adapter attached through the serving replica's :class:`~raylora.serve.
 :class:`~raylora.generation.Engine`: the rows of a batch, whatever candidate each asks, decode together (peft's
 mixed-adapter batch), ``serve.max_batch_size`` at a time, continuously batched. The dataset holds one row per
 (prompt, candidate), candidates interleaved, so every batch mixes adapters; ``map_batches`` streams batches through
-``eval.actors_per_node`` actors per node, two batches in flight in each.
+``eval.actors_per_node`` actors per node; each actor drives its engine from its own main thread.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ class Answerer:
     def __init__(self, cfg: dict, adapters: dict[str, str]):
         self.cfg = cfg = from_dict(cfg)
         torch.set_num_threads(max(1, round(cfg.eval.cpus_per_actor)))
-        threads = cfg.serve.engine_threads or max(1, round(cfg.eval.cpus_per_actor))
         model, tokenizer, quantization = load_serving_model(cfg)
-        self.engine = Engine(model, tokenizer, cfg.serve.max_batch_size, 0, threads, cfg.serve.max_prefill_tokens)
+        # driven from this (the actor's main) thread, where torch's intra-op threads run fastest
+        self.engine = Engine(model, tokenizer, cfg.serve.max_batch_size, 0, None, cfg.serve.max_prefill_tokens,
+                             threaded=False)  # fmt: skip
         bank = AdapterBank(self.engine, model, cfg.serve, bool(quantization))
         for name, path in adapters.items():
             asyncio.run(bank.hold(name, Path(path)))
@@ -113,9 +114,6 @@ def generate(cfg: JobConfig, rows: list[EvalRow], candidates: list[Candidate]) -
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=cfg.eval.cpus_per_actor,
-        # two batches at once per actor, both feeding its one engine: while one batch's last answers finish, the
-        # next one's rows already fill the decode batch
-        max_concurrency=2,
     )
     order = {c.name: k for k, c in enumerate(candidates)}
     out = [{k: (v.item() if isinstance(v, np.generic) else v) for k, v in row.items()} for row in answers.iter_rows()]
