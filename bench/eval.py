@@ -8,7 +8,7 @@ clock starts before its model is loaded (each side loads and quantises the same 
 answer.
 
 Runs, back to back in this process:
-  ours     raylora.eval.run.evaluate: one Ray Data actor (2 CPUs, max_batch_size 16, batches of 256 rows) holding the base
+  ours     raylora.eval.run.evaluate: one Ray Data actor (2 CPUs, engine_threads 1, max_batch_size 16) holding the base
            and every adapter, the rows of all adapters interleaved in its batches
   hf       Hugging Face batched `generate` with peft, what LLaMA-Factory's predict does: the base and every adapter
            loaded as peft adapters, then per adapter `set_adapter` and batches of 16 left-padded prompts
@@ -50,7 +50,7 @@ def config(root: Path, names: list[str], prompts: int, max_tokens: int, out: Pat
         "data": {"sources": [{"path": str(SHARED / "alpaca_en_demo.json")}]},
         "eval": {"candidates": [str(root / n) for n in names], "sources": [{"path": str(SHARED / "alpaca_en_demo.json")}],
                  "max_rows": prompts, "max_tokens": max_tokens, "metrics": ["exact_match", "length"],
-                 "actors_per_node": 1, "cpus_per_actor": 2, "output_dir": str(out)},
+                 "actors_per_node": 1, "cpus_per_actor": 2, "batch_rows": 4 * BATCH, "output_dir": str(out)},
         "serve": {"quantization": "w8a8-smoothquant", "max_batch_size": BATCH, "engine_threads": 1,
                   "cpus_per_replica": 2, "max_adapters": 8, "adapter_root": str(root), "port": _port()},
         "backend": {"device": "cpu"},

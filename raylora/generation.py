@@ -123,9 +123,6 @@ class Engine:
             (None: every prompt is prefilled whole, however long).
         autocast: a context manager factory every forward runs under (``Backend.autocast``, for a model whose frozen
             weights training stored in the autocast dtype); autocast is per thread, so the engine enters it itself.
-        threaded: decode on a thread of its own (a server); False: the caller runs the turns with :meth:`drain` on its
-            own thread, where torch's intra-op threads run faster (an eval actor's main thread: see
-            ``serve.engine_threads``).
     """
 
     def __init__(
@@ -137,7 +134,6 @@ class Engine:
         threads: int | None = None,
         max_prefill_tokens: int | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-        threaded: bool = True,
     ):
         self.model = model
         self.autocast = autocast
@@ -160,10 +156,8 @@ class Engine:
         self._stopping = False
         self.threads = threads
         self.max_running = 0  # the largest batch decoded so far (tests, benchmarks)
-        self.threaded = threaded
-        self._thread = threading.Thread(target=self._loop, name="raylora-engine", daemon=True) if threaded else None
-        if self._thread is not None:
-            self._thread.start()
+        self._thread = threading.Thread(target=self._loop, name="raylora-engine", daemon=True)
+        self._thread.start()
 
     def submit(self, req: GenRequest, emit: Callable[[Event], None]) -> _Seq:
         """Queue a request; ``emit`` is called from the engine thread. Returns a handle with ``cancel()``."""
@@ -176,14 +170,8 @@ class Engine:
         return seq
 
     def call(self, fn: Callable[[], object]) -> Future:
-        """Run ``fn()`` on the engine thread between decode steps (adapter loads and unloads); without a thread, now."""
+        """Run ``fn()`` on the engine thread between decode steps (adapter loads and unloads)."""
         future: Future = Future()
-        if self._thread is None:
-            try:
-                future.set_result(fn())
-            except Exception as e:
-                future.set_exception(e)
-            return future
         with self._cv:
             self._calls.append((fn, future))
             self._cv.notify()
@@ -194,56 +182,41 @@ class Engine:
             return {s.req.adapter for s in self._waiting + self._prefilling + self._running if s.req.adapter}
 
     def alive(self) -> bool:
-        return self._thread is None or self._thread.is_alive()
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._thread.join(timeout=30)
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         if self.threads:
             torch.set_num_threads(self.threads)
-        while self._turn(wait=True):
-            pass
-
-    def _turn(self, wait: bool) -> bool:
-        """One turn: queued calls, a prefill chunk, a decode step. Returns False when stopping, or (``wait`` False)
-        when there was nothing to do."""
-        with self._cv:
-            idle = not (self._running or self._prefilling or self._waiting or self._calls)
-            while wait and idle and not self._stopping:
-                self._cv.wait()
-                idle = not (self._running or self._prefilling or self._waiting or self._calls)
-            if self._stopping or idle:
-                return False
-            if not (self._running or self._prefilling) and self._waiting and self.batch_wait_s:
-                self._cv.wait_for(lambda: len(self._waiting) >= self.max_batch_size, self.batch_wait_s)
-            calls, self._calls = self._calls, []
-            room = self.max_batch_size - len(self._running) - len(self._prefilling)
-            self._prefilling += self._waiting[:room]
-            self._waiting = self._waiting[room:]
-            self._prefilling = [s for s in self._prefilling if not s.cancelled]
-        for fn, future in calls:
-            try:
-                future.set_result(fn())
-            except Exception as e:  # the caller gets the reason; the engine keeps serving
-                future.set_exception(e)
-        if self._prefilling:
-            chunk = self._next_chunk()
-            self._guarded(chunk, self._prefill, chunk)
-        if self._running:
-            self._guarded(list(self._running), self._step)
-        return True
-
-    def drain(self) -> None:
-        """Without a thread of its own (``threaded=False``): run turns in the calling thread until nothing is left."""
-        with torch.no_grad():
-            while self._turn(wait=False):
-                pass
+        while True:
+            with self._cv:
+                while not (self._running or self._prefilling or self._waiting or self._calls or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                if not (self._running or self._prefilling) and self._waiting and self.batch_wait_s:
+                    self._cv.wait_for(lambda: len(self._waiting) >= self.max_batch_size, self.batch_wait_s)
+                calls, self._calls = self._calls, []
+                room = self.max_batch_size - len(self._running) - len(self._prefilling)
+                self._prefilling += self._waiting[:room]
+                self._waiting = self._waiting[room:]
+                self._prefilling = [s for s in self._prefilling if not s.cancelled]
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # the caller gets the reason; the engine keeps serving
+                    future.set_exception(e)
+            if self._prefilling:
+                chunk = self._next_chunk()
+                self._guarded(chunk, self._prefill, chunk)
+            if self._running:
+                self._guarded(list(self._running), self._step)
 
     def _guarded(self, seqs: list[_Seq], work: Callable[..., None], *args) -> None:
         """Run ``work(*args)``; if it raises, fail ``seqs`` (each once) and drop them, and keep serving the rest."""
@@ -469,8 +442,6 @@ def run_all(engine: Engine, reqs: list[GenRequest], timeout_s: float = 600) -> l
 
     for k, req in enumerate(reqs):
         engine.submit(req, listener(k))
-    if not engine.threaded:
-        engine.drain()
     deadline = time.monotonic() + timeout_s
     for _ in reqs:
         if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):

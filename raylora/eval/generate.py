@@ -5,7 +5,7 @@ candidate adapter attached through the serving replica's :class:`~raylora.serve.
 :class:`~raylora.generation.Engine`: the rows of a batch, whatever candidate each asks, decode together (peft's
 mixed-adapter batch), ``serve.max_batch_size`` at a time, continuously batched. The dataset holds one row per
 (prompt, candidate), candidates interleaved, so every batch mixes adapters; ``map_batches`` streams batches through
-``eval.actors_per_node`` actors per node; each actor drives its engine from its own main thread.
+``eval.actors_per_node`` actors per node.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ class Answerer:
     def __init__(self, cfg: dict, adapters: dict[str, str]):
         self.cfg = cfg = from_dict(cfg)
         torch.set_num_threads(max(1, round(cfg.eval.cpus_per_actor)))
+        threads = cfg.serve.engine_threads or max(1, round(cfg.eval.cpus_per_actor))
         model, tokenizer, quantization = load_serving_model(cfg)
-        # driven from this (the actor's main) thread, where torch's intra-op threads run fastest
-        self.engine = Engine(model, tokenizer, cfg.serve.max_batch_size, 0, None, cfg.serve.max_prefill_tokens,
-                             threaded=False)  # fmt: skip
+        self.engine = Engine(model, tokenizer, cfg.serve.max_batch_size, 0, threads, cfg.serve.max_prefill_tokens)
         bank = AdapterBank(self.engine, model, cfg.serve, bool(quantization))
         for name, path in adapters.items():
             asyncio.run(bank.hold(name, Path(path)))
