@@ -24,7 +24,7 @@ from raylora.data.formats import (
     to_conversation,
 )
 from raylora.data.read import expand, first_row, iter_raw
-from raylora.data.transforms import split_draw
+from raylora.data.transforms import copies_of, split_draw
 
 
 class DataError(ValueError):
@@ -162,7 +162,8 @@ def read_conversations(data: DataArgs, held_out: bool) -> list[tuple[str, int, C
     row that cannot be read has the reason in place of its conversation.
 
     The eval split follows the pipeline's rule: a row is held out when its seeded hash of ``(file name, line)`` falls
-    under ``data.eval_fraction``, or, with ``data.eval_count``, when it is among the rows with the smallest hashes.
+    under ``data.eval_fraction``, or, with ``data.eval_count``, when it is among the rows with the smallest hashes; and
+    of a source weighted below 1 only the rows its weight keeps (:func:`~raylora.data.transforms.copies_of`) are in it, once each.
     """
     plan = plan_sources(data)
     rows = []
@@ -172,10 +173,12 @@ def read_conversations(data: DataArgs, held_out: bool) -> list[tuple[str, int, C
                 rows.append((split_draw(data.seed, path, line), path, line, raw, error))
     if not held_out:
         held = rows
-    elif data.eval_count:
-        held = sorted(rows)[: data.eval_count]
     else:
-        held = [r for r in rows if data.eval_fraction and r[0] < data.eval_fraction]
+        if data.eval_count:
+            held = sorted(rows)[: data.eval_count]
+        else:
+            held = [r for r in rows if data.eval_fraction and r[0] < data.eval_fraction]
+        held = [r for r in held if copies_of(data.seed, r[1], r[2], plan[r[1]]["weight"])]
     order = {path: k for k, path in enumerate(plan)}
     out: list[tuple[str, int, Conversation | str]] = []
     for _, path, line, raw, error in sorted(held, key=lambda r: (order[r[1]], r[2])):

@@ -53,6 +53,13 @@ def split_draw(seed: int, source: str, line: int) -> float:
     return unit_hash(seed, "split", Path(source).name, line)
 
 
+def copies_of(seed: int, source: str, line: int, weight: float) -> int:
+    """How many times row ``line`` of ``source`` is trained on (or evaluated) under its source's ``weight``: the whole
+    part of the weight, and one more with the probability of its fraction (a seeded draw per row)."""
+    fraction = weight - int(weight)
+    return int(weight) + bool(fraction and unit_hash(seed, "weight", Path(source).name, line) < fraction)
+
+
 def unit_hash(*parts: Any) -> float:
     """A stable pseudo-random number in [0, 1) for a row (Python's ``hash`` differs between processes)."""
     digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
@@ -116,11 +123,7 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
             row_split = "eval" if key in eval_keys else "train"
         else:
             row_split = "eval" if data.eval_fraction and split_draw(data.seed, *key) < data.eval_fraction else "train"
-        weight = plan[r["source"]]["weight"]
-        copies = int(weight) + (
-            weight != int(weight)
-            and unit_hash(data.seed, "weight", Path(r["source"]).name, r["line"]) < weight - int(weight)
-        )
+        copies = copies_of(data.seed, r["source"], r["line"], plan[r["source"]]["weight"])
         take += [j] * copies
         split += [row_split] * copies
     name = _batch_name(rows)

@@ -36,7 +36,12 @@ def test_check_demo_lists_every_problem_before_anything_runs():
     assert "serve.port=PORT" in str(e.value) and str(port) in str(e.value)
 
 
-@pytest.mark.parametrize("split", [["data.eval_fraction=0.25"], ["data.eval_fraction=0", "data.eval_count=5"]])
+@pytest.mark.parametrize(
+    "split",
+    [["data.eval_fraction=0.25"], ["data.eval_fraction=0", "data.eval_count=5"],
+     # a source weighted below 1: only the held-out rows its weight keeps are in the eval split (raylora eval's set)
+     ["data.eval_fraction=0.5", "data.sources=[{path: data/raylora_identity.jsonl, weight: 0.5}]"]],
+)  # fmt: skip
 def test_held_out_rows_are_the_rows_the_pipeline_puts_in_the_eval_split(split, tmp_path):
     cfg = load_config(TINY_DEMO, split)
     plan = plan_sources(cfg.data)
