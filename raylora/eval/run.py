@@ -99,9 +99,10 @@ def evaluate(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
     answers = []
     for g in generated:
         r = rows[g["row"]]
+        loss = g.pop("reference_loss")  # NaN where not computed: answers.jsonl keeps it in scores, as null there
         scores = score_row(g["answer"], r.reference, r.calls, r.tools, r.keys, g["completion_tokens"], cfg.eval.metrics)
         if "reference_loss" in cfg.eval.metrics:
-            scores["reference_loss"] = None if math.isnan(g["reference_loss"]) else g["reference_loss"]
+            scores["reference_loss"] = None if math.isnan(loss) else loss
         answers.append({"row": r.row, "source": r.source, "line": r.line, "question": r.question,
                         "reference": r.reference, "keys": r.keys, **g, "scores": scores})  # fmt: skip
     unjudged = 0
