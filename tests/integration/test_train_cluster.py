@@ -93,11 +93,15 @@ def test_ray_job_outputs_and_mlflow_artifacts_outlive_rays_temporary_folder(head
     }
 
 
-def test_two_nodes_one_worker_each(tmp_path):
+def test_two_nodes_one_worker_each(tmp_path, ray_tmp, monkeypatch):
+    """Both nodes on 127.0.0.1. Ray's test cluster writes its address where ``ray start`` records its own, which
+    ``ensure_ray`` joins: in the default folder, the other pytest process's next module joined this cluster and
+    died when it shut down. Here the file goes to the test's own folder."""
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
-    cluster.add_node(num_cpus=3)
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "node_ip_address": "127.0.0.1"})
+    cluster.add_node(num_cpus=3, node_ip_address="127.0.0.1")
     try:
         ray.init(address=cluster.address)
         cfg = load_config(
