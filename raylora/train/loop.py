@@ -216,6 +216,10 @@ def train_worker(config: dict) -> dict:
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(folder))
             else:
                 ray.train.report(report)
+    if resumed_from == train.max_steps and state.history:
+        # Restored at its last step: stopped after writing that checkpoint and before Tune took its report (a sweep
+        # stopped by a signal), so no trial result held it; the report goes again.
+        ray.train.report({**state.history[-1], "resumed_from": resumed_from, "done": 1})
     if profiler is not None:
         profiler.stop()
     return outcome("done", state, resumed_from)

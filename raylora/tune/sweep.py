@@ -160,7 +160,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     finally:
         if group_broker is not None:
             group_worker.stop(group_broker)
-    if stopped and len(_completed_trials(cfg, out)) < space.trial_count(cfg.tune):
+    if stopped and _reported_last_step(grid, cfg.train.max_steps) < space.trial_count(cfg.tune):
         # the trials Tune ended are not "stopped early" (nor are ASHA's told apart here): --resume runs them on
         finish_run(cfg.tracking, parent, [], "KILLED")
         raise stopped_by_signal
@@ -225,11 +225,11 @@ def _sigint_seen() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _completed_trials(cfg: JobConfig, out: Path) -> list[Path]:
-    """The trial folders holding their last step's checkpoint."""
-    trials = out / "trials"
-    folders = sorted(trials.iterdir()) if trials.is_dir() else []
-    return [f for f in folders if _final_checkpoint(f, cfg.train.max_steps) is not None]
+def _reported_last_step(grid, max_steps: int) -> int:
+    """How many trials of a result grid reported their last step to Tune. Not the trials holding its checkpoint: a
+    trial stopped by a signal between writing it and reporting was taken as completed, with no steps and no metric
+    (found by use); ``--resume`` reports it."""
+    return sum(int((result.metrics or {}).get("step", 0)) == max_steps for result in grid)
 
 
 def _score_answers(cfg: JobConfig, out: Path, rows: list[dict[str, Any]], log) -> None:

@@ -102,50 +102,28 @@ def test_a_trial_that_diverges_fails_and_is_never_the_best(ray_session, tmp_path
     assert "nan_tolerance=1" in (failed / "error.txt").read_text()
 
 
-def test_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
-    cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
-           *overrides(tmp_path, "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
-                      "tune.max_concurrent=1", "tune.scheduler=none", "train.max_steps=4")]  # fmt: skip
-    driver = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    trials = tmp_path / "sweep" / "trials"
-    deadline = time.time() + 300
-    try:
-        while time.time() < deadline and len(list(trials.glob("*/workers/rank0.json"))) < 2:
-            time.sleep(0.5)  # the second trial starts once the first has finished
-        first = min(trials.iterdir(), key=lambda p: p.stat().st_mtime)
-        finished_pid = json.loads((first / "workers" / "rank0.json").read_text())["pid"]
-    finally:
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait()
-        stop_cluster(ray_tmp)
-    resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    stop_cluster(ray_tmp)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads((first / "workers" / "rank0.json").read_text())["pid"] == finished_pid  # not rerun
-    rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
-    assert len(rows) == 2 and all(",completed," in row for row in rows)
-    assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
-
-
-def test_a_sweep_stopped_by_a_signal_says_so_and_labels_no_trial(tmp_path, ray_tmp):
+def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
     """Found by use: a stopped sweep (SIGINT) marked its running trials 'stopped early' (ASHA's label) and closed
-    their MLflow runs; with SIGTERM, as schedulers stop jobs, it left every run RUNNING and wrote no results."""
+    their MLflow runs; with SIGTERM, as schedulers stop jobs, it left every run RUNNING and wrote no results.
+
+    Stopped while the second trial trains, the sweep says how to resume, labels no trial and marks its parent run
+    KILLED; ``--resume`` does not rerun the finished first trial and completes the second. (A sweep killed outright
+    resumes too: test_tune_shared.py.)"""
     env = {**os.environ, "RAY_TMPDIR": ray_tmp}
     cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
            *overrides(tmp_path, "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
-                      "tune.max_concurrent=1", "tune.scheduler=none", "train.max_steps=120", "train.eval_every=0")]  # fmt: skip
+                      "tune.max_concurrent=1", "tune.scheduler=none", "train.max_steps=8", "train.eval_every=0")]  # fmt: skip
     with open(tmp_path / "driver.err", "w") as err:
         driver = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
     trials = tmp_path / "sweep" / "trials"
     deadline = time.time() + 300
     try:
-        while time.time() < deadline and not list(trials.glob("*/workers/rank0.json")):
-            time.sleep(0.5)
-        driver.send_signal(signal.SIGTERM)  # during the first trial: the second never starts
+        while time.time() < deadline and len(list(trials.glob("*/workers/rank0.json"))) < 2:
+            time.sleep(0.2)  # the second trial starts once the first has finished
+        driver.send_signal(signal.SIGTERM)
         driver.wait(timeout=180)
+        first = min(trials.iterdir(), key=lambda p: p.stat().st_mtime)
+        finished_pid = json.loads((first / "workers" / "rank0.json").read_text())["pid"]
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
@@ -156,3 +134,11 @@ def test_a_sweep_stopped_by_a_signal_says_so_and_labels_no_trial(tmp_path, ray_t
     assert not (tmp_path / "sweep" / "results.csv").exists()  # no trial labelled before the sweep ends
     parent = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["parent_run_id"]
     assert mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(parent).info.status == "KILLED"
+
+    resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    stop_cluster(ray_tmp)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((first / "workers" / "rank0.json").read_text())["pid"] == finished_pid  # not rerun
+    rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
+    assert len(rows) == 2 and all(",completed,8," in row for row in rows), rows
+    assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
