@@ -51,6 +51,11 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--out", help="PNG chart path (default: <train.output_dir>/plan.png)")
         if name == "tune":
             cmd.add_argument("--resume", action="store_true", help="continue the sweep in train.output_dir")
+        if name == "doctor":
+            cmd.add_argument(
+                "--cluster", action="store_true",
+                help="also inspect every node of the running Ray cluster: torch / torch_npu / CANN, NPUs, HCCL's NICs",
+            )  # fmt: skip
     return p
 
 
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from raylora.doctor import check, render  # torch and Ray, about 1.8 s: only `raylora doctor` pays it
 
-        rows, problems = check(cfg)
+        rows, problems = check(cfg, cluster=args.cluster)
         print(render(rows, problems))
         return 1 if problems else 0
     # the error classes of every command, imported after parsing: these modules load torch, Ray Data, transformers and

@@ -376,13 +376,17 @@ class HcclArgs:
     connect_timeout: int = _f(1800, help="HCCL_CONNECT_TIMEOUT seconds", min=120, max=7200)
     exec_timeout: int | None = _f(
         None,
-        help="HCCL_EXEC_TIMEOUT seconds (None: CANN default; Atlas A2/A3: 0 = never; 910A: 1-17340, rounded down to a "
-        "multiple of 68)",
+        help="HCCL_EXEC_TIMEOUT seconds (None: CANN default; Atlas A2/A3: 0 = never, up to 2147483647; 910A and "
+        "310P: 1-17340, rounded down to a multiple of 68, checked where the worker sees its SoC)",
         min=0,
+        max=2147483647,
     )
     buffsize: int | None = _f(None, help="HCCL_BUFFSIZE MB per communicator (None: CANN default 200)", min=1)
-    if_ip: str | None = _f(None, help="HCCL_IF_IP: this host's NIC address for HCCL")
-    socket_ifname: str | None = _f(None, help="HCCL_SOCKET_IFNAME: NIC name prefix for HCCL")
+    if_ip: str | None = _f(None, help="HCCL_IF_IP: this host's NIC address for HCCL (differs per host)")
+    socket_ifname: str | None = _f(
+        None,
+        help="HCCL_SOCKET_IFNAME: NIC name prefixes for HCCL (enp,eno; =enp3s0 exact; ^ excludes); None: HCCL picks",
+    )
 
 
 @dataclass

@@ -8,13 +8,18 @@ raylora imports torch_npu only when an NPU is asked for or probed (torch_npu 2.5
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
 from raylora.backends import cpu, cuda, npu
 from raylora.backends.base import Backend, BackendError
 from raylora.config import BackendArgs
 
 __all__ = [
     "Backend", "BackendError", "resolve_backend", "planned_backend", "worker_plan", "replica_plan", "install_rows",
-    "PROBE_ORDER",
+    "PROBE_ORDER", "store_timeout_s", "init_process_group",
 ]  # fmt: skip
 
 PROBE_ORDER = (npu, cuda, cpu)
@@ -74,10 +79,35 @@ def worker_plan(args: BackendArgs, num_workers: int, cpus_per_worker: float) -> 
     return plan.dist_backend, plan.scaling(num_workers, cpus_per_worker), plan.env
 
 
+# HCCL waits HCCL_CONNECT_TIMEOUT and 20 s more, in which it tells the other ranks why it failed (CANN 8.2 and later)
+HCCL_CONNECT_GRACE_S = 20
+
+
 def store_timeout_s(env: dict[str, str]) -> int:
     """How long the ranks' store waits for each other: Ray's default 1800 s, or as long as HCCL may take to connect
-    (``HCCL_CONNECT_TIMEOUT`` in effect for the workers, see :func:`worker_plan`)."""
-    return max(1800, int(env.get("HCCL_CONNECT_TIMEOUT", 0)))
+    (``HCCL_CONNECT_TIMEOUT`` in ``env``, the value in effect for the workers: see :func:`worker_plan`).
+
+    Raises:
+        BackendError: that ``HCCL_CONNECT_TIMEOUT`` is not one CANN accepts.
+    """
+    timeout = npu.connect_timeout_s(env)
+    return max(1800, timeout + HCCL_CONNECT_GRACE_S) if timeout else 1800
+
+
+def init_process_group(dist_backend: str, init_method: str, rank: int, world: int) -> None:
+    """Start torch.distributed in this process, as a grouped sweep's worker does (Ray Train starts its own).
+
+    HCCL exists once torch_npu is imported, which is done here rather than left to torch's device-backend autoload
+    (off with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``). The store waits :func:`store_timeout_s` of this process's
+    environment, where the actor was started with the job's ``HCCL_CONNECT_TIMEOUT``.
+
+    Raises:
+        BackendError: HCCL asked for and torch_npu does not import; an invalid ``HCCL_CONNECT_TIMEOUT``.
+    """
+    if dist_backend == npu.DIST_BACKEND:
+        npu.ensure_loaded()
+    timeout = timedelta(seconds=store_timeout_s(dict(os.environ)))
+    dist.init_process_group(dist_backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
 
 
 def install_rows() -> list[tuple[str, str]]:

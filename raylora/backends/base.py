@@ -186,6 +186,15 @@ class Backend:
             return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
         return "inductor"
 
+    def compile_warning(self) -> str | None:
+        """What ``train.compile`` risks on this device (``None``: nothing known), for the driver's log and doctor."""
+        if self.name == "npu":
+            return (
+                "train.compile on NPU compiles through TorchAir, which its own guide calls a beta feature aimed at "
+                "inference; raylora has not run it on an NPU: keep train.compile=false unless you have measured it"
+            )
+        return None
+
     def profiler(self, folder: Path) -> Any:
         """A step profiler with :data:`PROFILE_SCHEDULE` (call ``.step()`` after each training step).
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from raylora.backends.ascend_env import RELEASES, cann_home, cann_version, connect_timeout_problem, release
 from raylora.backends.base import Backend, BackendError, amp_from_precision, precision_note
 from raylora.config import BackendArgs, HcclArgs
 
@@ -25,11 +26,14 @@ INSTALL_HINT = (
     "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`, then `pip install 'raylora[npu]'` "
     "(torch_npu built for your torch version); or use backend.device=auto or cpu."
 )
-CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
 
-# SoC names as torch_npu.npu.get_device_name() reports them. Atlas A2 (Ascend910B*), A3 (Ascend910_93*) and
-# later have bf16 matrix units; 910A-class training chips and the 310P inference chip do not.
-_BF16_PREFIXES = ("Ascend910B", "Ascend910_93", "Ascend910_95", "Ascend950")
+# SoC names as torch_npu.npu.get_device_name() reports them. Atlas A2 (Ascend910B1-B4), A3 (Ascend910_93*) and later
+# have bf16 matrix units and take HCCL_EXEC_TIMEOUT 0 (never) up to 2147483647 s; the 910A class (Ascend910A,
+# Ascend910ProA, Ascend910PremiumA, Ascend910ProB and the older SoC named exactly Ascend910B, which torch_npu's
+# NpuVariables.cpp lists with them) and the 310P do not, and take 1-17340 s.
+_A2_PREFIXES = ("Ascend910B", "Ascend910_93", "Ascend910_95", "Ascend950")
+_OLD_910B = "Ascend910B"
+EXEC_TIMEOUT_BEFORE_A2 = (1, 17340)
 
 
 def probe() -> tuple[bool, str]:
@@ -39,20 +43,38 @@ def probe() -> tuple[bool, str]:
     try:
         importlib.import_module("torch_npu")
     except Exception as e:  # a torch_npu without CANN fails in many ways; report, do not crash
-        return (
-            False,
-            f"torch_npu is installed but does not import ({type(e).__name__}: {e}); is CANN's set_env.sh sourced?",
-        )
+        return False, f"torch_npu is installed but does not import ({type(e).__name__}: {e}); {_cann_hint()}"
     if not torch.npu.is_available():
         return False, "torch_npu imports but sees no NPU (check npu-smi info and ASCEND_RT_VISIBLE_DEVICES)"
     return True, f"torch_npu with {torch.npu.device_count()} NPU(s), {soc_name()}"
 
 
-def amp_for_soc(soc: str) -> tuple[torch.dtype, bool]:
-    """Autocast dtype and grad-scaler need for an Ascend SoC name such as ``Ascend910B2``."""
-    if soc.startswith(_BF16_PREFIXES):
-        return torch.bfloat16, False
-    return torch.float16, True
+def _cann_hint() -> str:
+    """What a torch_npu that does not import most likely lacks: CANN, the one it was released with."""
+    try:
+        version = importlib.metadata.version("torch_npu")
+    except importlib.metadata.PackageNotFoundError:
+        return INSTALL_HINT
+    wanted = f"CANN {RELEASES[version][1]}" if version in RELEASES else "the CANN it was released with"
+    home = cann_home(os.environ)
+    if home is None:
+        return f"no CANN toolkit was found: torch_npu {version} needs {wanted} (docs/ascend.md#versions)"
+    return f"CANN is at {home}: is it {wanted}, and was its set_env.sh sourced?"
+
+
+def a2_or_later(soc: str) -> bool:
+    """Whether an Ascend SoC name such as ``Ascend910B2`` is Atlas A2 or later (see :data:`_A2_PREFIXES`)."""
+    return soc.startswith(_A2_PREFIXES) and soc != _OLD_910B
+
+
+def bf16_support(soc: str) -> tuple[bool, str]:
+    """Whether device 0 runs bf16, and the test that said so: ``torch.npu.is_bf16_supported()`` where torch_npu has
+    it, else the SoC name (:func:`a2_or_later`)."""
+    if hasattr(torch.npu, "is_bf16_supported"):
+        bf16 = bool(torch.npu.is_bf16_supported())
+        return bf16, f"torch.npu.is_bf16_supported() is {bf16} on {soc}"
+    bf16 = a2_or_later(soc)
+    return bf16, f"{soc} {'is' if bf16 else 'is not'} Atlas A2 or later, by its name"
 
 
 def hccl_env(args: BackendArgs) -> dict[str, str]:
@@ -64,8 +86,13 @@ def hccl_env(args: BackendArgs) -> dict[str, str]:
     """
     hccl = args.hccl
     timeout = str(hccl.connect_timeout)
-    if hccl.connect_timeout == HcclArgs().connect_timeout:
-        timeout = os.environ.get("HCCL_CONNECT_TIMEOUT", timeout)
+    if hccl.connect_timeout == HcclArgs().connect_timeout and "HCCL_CONNECT_TIMEOUT" in os.environ:
+        timeout = os.environ["HCCL_CONNECT_TIMEOUT"]
+        if why := connect_timeout_problem(timeout):
+            raise BackendError(
+                f"{why} (this environment's, which raylora sends its workers while backend.hccl.connect_timeout is "
+                "left at its default): export a valid one, or unset it"
+            )
     env = {"HCCL_CONNECT_TIMEOUT": timeout}
     optional = {
         "HCCL_EXEC_TIMEOUT": hccl.exec_timeout,
@@ -75,6 +102,34 @@ def hccl_env(args: BackendArgs) -> dict[str, str]:
     }
     env.update({k: str(v) for k, v in optional.items() if v is not None})
     return env
+
+
+def connect_timeout_s(env: dict[str, str]) -> int:
+    """``HCCL_CONNECT_TIMEOUT`` in ``env`` (0 when unset), in seconds.
+
+    Raises:
+        BackendError: it is not a whole number of seconds CANN accepts.
+    """
+    if "HCCL_CONNECT_TIMEOUT" not in env:
+        return 0
+    if why := connect_timeout_problem(env["HCCL_CONNECT_TIMEOUT"]):
+        raise BackendError(f"{why}: set a valid one, or unset it")
+    return int(env["HCCL_CONNECT_TIMEOUT"])
+
+
+def ensure_loaded() -> None:
+    """Import torch_npu, which registers the ``hccl`` backend with torch.distributed (torch's device-backend
+    autoload does it only unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).
+
+    Raises:
+        BackendError: torch_npu does not import, with what it most likely lacks.
+    """
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as e:  # as in probe(): say what is most likely missing
+        raise BackendError(
+            f"HCCL needs torch_npu, which does not import ({type(e).__name__}: {e}); {_cann_hint()}"
+        ) from e
 
 
 def grad_scaler() -> torch.amp.GradScaler:
@@ -95,26 +150,38 @@ def install_rows() -> list[tuple[str, str]]:
         version = importlib.metadata.version("torch_npu")
     except importlib.metadata.PackageNotFoundError:
         version = "not installed"
-    return [("torch_npu", version), ("CANN", cann_home() or "not found")]
-
-
-def cann_home() -> str | None:
-    """The CANN toolkit folder in effect, if any."""
-    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
-        if os.environ.get(var):
-            return os.environ[var]
-    return str(CANN_DEFAULT) if CANN_DEFAULT.exists() else None
+    else:
+        needed = RELEASES.get(version, (release(version),))[0]
+        if release(torch.__version__) != needed:
+            version += f" (built for torch {needed}, this is torch {torch.__version__}: docs/ascend.md#versions)"
+    home = cann_home(os.environ)
+    cann = cann_version(Path(home)) if home else None
+    return [("torch_npu", version), ("CANN", f"{cann or 'version file not found'} ({home})" if home else "not found")]
 
 
 def make(args: BackendArgs, detected_by: str) -> Backend:
-    """The NPU backend for device 0's SoC."""
+    """The NPU backend for device 0's SoC.
+
+    Raises:
+        BackendError: bf16 asked for where the SoC has none; ``backend.hccl.exec_timeout`` outside what the SoC takes.
+    """
     soc = soc_name()
-    auto = amp_for_soc(soc)
-    if args.precision == "bf16" and auto[0] is not torch.bfloat16:
-        raise BackendError(f"{soc} has no bf16 support; use backend.precision=fp16 (with a grad scaler) or auto")
+    bf16, why = bf16_support(soc)
+    auto = (torch.bfloat16, False) if bf16 else (torch.float16, True)
+    if args.precision == "bf16" and not bf16:
+        raise BackendError(
+            f"{soc} has no bf16 support ({why}); use backend.precision=fp16 (with a grad scaler) or auto"
+        )
+    low, high = EXEC_TIMEOUT_BEFORE_A2
+    exec_timeout = args.hccl.exec_timeout
+    if exec_timeout is not None and not a2_or_later(soc) and not low <= exec_timeout <= high:
+        raise BackendError(
+            f"backend.hccl.exec_timeout={exec_timeout}: on {soc} (before Atlas A2) CANN takes HCCL_EXEC_TIMEOUT from "
+            f"{low} to {high} s (0, 'never', is for Atlas A2 and later); set one in that range, or leave it unset"
+        )
     dtype, scaler = amp_from_precision(args.precision, auto)
-    how = precision_note(args.precision, auto, f"{soc} {'has' if auto[0] is torch.bfloat16 else 'has no'} bf16 units")
-    no_bf16 = "" if auto[0] is torch.bfloat16 else f"HCCL reduces bf16 only on Atlas A2 and later, and this is {soc}"
+    how = precision_note(args.precision, auto, why)
+    no_bf16 = "" if a2_or_later(soc) else f"HCCL reduces bf16 only on Atlas A2 and later, and this is {soc}"
     return Backend(
         NAME, detected_by, DIST_BACKEND, RAY_RESOURCE, "ASCEND_RT_VISIBLE_DEVICES", dtype, scaler, hccl_env(args), how,
         no_bf16,

@@ -4,8 +4,9 @@ A pack row holds several examples. The block-causal 4D mask of :mod:`raylora.dat
 exactly its own logits, but sdpa then computes the whole T x T square of every row and masks most of it. Given
 the examples' boundaries over the flattened ``(B*T)`` tokens (flash-attention's ``cu_seqlens``, from
 :func:`raylora.data.collate.segment_bounds`), each example's causal attention runs on its own: the work is the
-sum of n_i^2 / 2 instead of T^2 (on CPU our own kernel, :class:`CausalAttention`, over all examples at once;
-elsewhere sdpa's, example by example). The math is the same; only the summation order differs. A row's padding
+sum of n_i^2 / 2 instead of T^2 (on CPU our own kernel, :class:`CausalAttention`, over all examples at once; on an
+Ascend NPU torch_npu's fused kernel for packed sequences, :func:`npu_fusion_attention`, in one call; elsewhere sdpa's,
+example by example, the portable reference). The math is the same; only the summation order differs. A row's padding
 is a few more causal segments whose outputs nothing reads (its labels are ignored and it comes after every
 example of its row).
 
@@ -16,6 +17,7 @@ The function is registered with transformers' ``AttentionInterface`` under :data
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 
 import torch
@@ -28,6 +30,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "raylora_packed"
 FLASH_FROM = 256  # example length (tokens) from which sdpa_attend() takes sdpa's 4-D (flash) path
 OURS_UP_TO = 512  # longest example (tokens) that CausalAttention takes on CPU: it holds its probabilities
+FUSED_ON = "npu"  # the device type whose packed batches go to npu_fusion_attention()
+# torch_npu documents npu_fusion_attention's TND (varlen) layout for at most 1K sequences a call; a batch of more
+# segments (many short examples) takes the per-example path
+FUSED_MAX_SEGMENTS = 1024
 
 
 def packed_attention(
@@ -51,19 +57,59 @@ def packed_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     rows, heads, width, dim = query.shape
+    bounds = tuple(cu_seq_lens_q.tolist())
+    scale = dim**-0.5 if scaling is None else scaling
+    if query.device.type == FUSED_ON and len(bounds) - 1 <= FUSED_MAX_SEGMENTS:
+        tnd = [x.transpose(1, 2).reshape(rows * width, x.shape[1], dim) for x in (query, key, value)]
+        return npu_fusion_attention(*tnd, scale, bounds).reshape(rows, width, heads, dim), None
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, D) -> (h, B*T, D)
         return x.transpose(0, 1).reshape(x.shape[1], rows * width, dim)
 
     q, k, v = flat(query), flat(key), flat(value)
-    bounds = tuple(cu_seq_lens_q.tolist())
     segments = list(itertools.pairwise(bounds))
-    scale = dim**-0.5 if scaling is None else scaling
     if q.device.type == "cpu" and max(e - s for s, e in segments) <= OURS_UP_TO:
         out = CausalAttention.apply(q, k, v, scale, bounds)  # one node for all segments
     else:
         out = torch.cat([attend(q[:, s:e], k[:, s:e], v[:, s:e], scale) for s, e in segments], dim=1)
     return out.reshape(heads, rows, width, dim).permute(1, 2, 0, 3), None
+
+
+@functools.lru_cache(maxsize=8)
+def _compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    """The 2048 x 2048 mask ``npu_fusion_attention`` reads in its causal sparse modes: True above the diagonal
+    (masked), whatever the sequences' lengths."""
+    return torch.ones(2048, 2048, dtype=torch.bool, device=device).triu_(1)
+
+
+def npu_fusion_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bounds: tuple[int, ...]
+) -> torch.Tensor:
+    """Causal attention of each segment of a packed batch on its own, in one call to torch_npu's fused kernel.
+
+    ``torch_npu.npu_fusion_attention`` in its TND layout (tokens, heads, head dim: the batch's rows end to end), with
+    each segment's end as the cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen`` (lengths 9, 6, 7 -> 9, 15, 22:
+    no leading 0), and ``sparse_mode=3`` (causal from the bottom-right corner of each segment's square, equal to the
+    top-left one since queries and keys are the same tokens) with the compressed 2048 x 2048 causal mask that mode
+    reads. It takes fewer key/value heads than query heads (grouped-query attention) as they are. Under autocast
+    q, k and v run in its dtype, as sdpa's inputs would (the kernel wants one dtype).
+
+    Args:
+        q: (N, H, D); k, v: (N, H_kv, D), H a multiple of H_kv.
+        scale: the softmax scale.
+        bounds: the segments' boundaries ``(0, ..., N)``.
+    Returns:
+        (N, H, D).
+    """
+    torch_npu = importlib.import_module("torch_npu")  # only NPU tensors come here, and torch_npu made them
+    kind = q.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
+    ends = list(bounds[1:])
+    return torch_npu.npu_fusion_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), head_num=q.shape[1], input_layout="TND",
+        atten_mask=_compressed_causal_mask(q.device), scale=scale, sparse_mode=3,
+        actual_seq_qlen=ends, actual_seq_kvlen=ends,
+    )[0]  # fmt: skip
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:

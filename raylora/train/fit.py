@@ -58,6 +58,8 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     unset = cfg.train.cpus_per_worker is None
     cfg = check_before_data(cfg)
     log(worker_cpus_line(cfg, unset))
+    if cfg.train.compile and (warning := planned_backend(cfg.backend).compile_warning()):
+        log(f"warning: {warning}")
     out.mkdir(parents=True, exist_ok=True)
     data = training_data(cfg, log)
     check_enough(cfg, data.packs)

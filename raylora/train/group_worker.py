@@ -49,15 +49,15 @@ class GroupWorker:
 
     def __init__(self, job: dict, train, evaluation, index: int, rank: int, world: int, store: str, dist_backend: str):
         import torch  # see the note at the top
-        import torch.distributed as dist  # see the note at the top
 
+        from raylora.backends import init_process_group  # see the note at the top
         from raylora.train.group import Group  # see the note at the top
 
         priority = normal_priority()  # before torch starts its intra-op threads and the group its lanes
         cfg = from_dict(job)
         torch.set_num_threads(max(1, math.ceil(cfg.train.cpus_per_worker)))
         if world > 1:
-            dist.init_process_group(dist_backend, init_method=f"file://{store}", rank=rank, world_size=world)
+            init_process_group(dist_backend, f"file://{store}", rank, world)
         shard = worker_share(train, rank, world)
         evaluation = read_packs(evaluation).to_pylist() if evaluation is not None else None
         self.group = Group(cfg, shard, evaluation, rank=rank, world=world)

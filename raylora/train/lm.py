@@ -196,4 +196,6 @@ def training_model(model: nn.Module, train: TrainArgs, backend: Backend) -> tupl
         for layer in causal_lm.get_decoder().layers:
             layer.compile(backend=compiler)
         notes.append(f"torch.compile: each decoder layer, backend {getattr(compiler, '__name__', compiler)}")
+        if warning := backend.compile_warning():
+            notes.append(f"warning: {warning}")
     return LossModel(model, chunked, head), notes

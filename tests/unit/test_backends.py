@@ -1,6 +1,9 @@
+import datetime
 import math
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +19,13 @@ DOCUMENTED = {"HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "HCC
 def fake_npu(monkeypatch):
     """An NPU host as far as everything but the device itself can tell."""
 
-    def set_soc(soc):
+    def set_soc(soc, bf16_supported=None):
         monkeypatch.setattr(npu, "probe", lambda: (True, f"torch_npu with 8 NPU(s), {soc}"))
         monkeypatch.setattr(npu, "soc_name", lambda: soc)
+        fake = types.SimpleNamespace()  # torch.npu as torch_npu makes it; older releases lack is_bf16_supported
+        if bf16_supported is not None:
+            fake.is_bf16_supported = lambda: bf16_supported
+        monkeypatch.setattr(torch, "npu", fake, raising=False)
 
     return set_soc
 
@@ -132,14 +139,24 @@ def test_auto_prefers_npu(fake_npu):
         ("Ascend910_9391", torch.bfloat16, False),
         ("Ascend910A", torch.float16, True),
         ("Ascend910ProA", torch.float16, True),
+        ("Ascend910B", torch.float16, True),  # the older 910-class SoC named exactly so, not an Atlas A2
         ("Ascend310P3", torch.float16, True),
     ],
 )
-def test_npu_autocast_follows_the_soc(fake_npu, soc, dtype, scaler):
+def test_npu_autocast_follows_the_soc_where_torch_npu_cannot_say(fake_npu, soc, dtype, scaler):
     fake_npu(soc)
     b = resolve_backend(BackendArgs(device="npu"))
     assert (b.amp_dtype, b.needs_grad_scaler) == (dtype, scaler)
-    assert b.precision_by.startswith(f"auto: {b.precision} ({soc} has")
+    assert b.precision_by.startswith(f"auto: {b.precision} ({soc} is")
+    assert b.precision_by.endswith("Atlas A2 or later, by its name)")
+
+
+@pytest.mark.parametrize("supported,dtype", [(True, torch.bfloat16), (False, torch.float16)])
+def test_npu_autocast_asks_torch_npu_first(fake_npu, supported, dtype):
+    fake_npu("Ascend910B2", bf16_supported=supported)  # torch_npu's answer wins over the SoC's name
+    b = resolve_backend(BackendArgs(device="npu"))
+    assert b.amp_dtype is dtype
+    assert b.precision_by == f"auto: {b.precision} (torch.npu.is_bf16_supported() is {supported} on Ascend910B2)"
 
 
 def test_bf16_on_910a_is_refused(fake_npu):
@@ -174,6 +191,103 @@ def test_hccl_variables_the_config_leaves_unset_are_left_to_the_environment(monk
     }
     explicit = BackendArgs(hccl=HcclArgs(connect_timeout=600, if_ip="10.0.0.2"))  # what the config sets wins
     assert npu.hccl_env(explicit) == {"HCCL_CONNECT_TIMEOUT": "600", "HCCL_IF_IP": "10.0.0.2"}
+
+
+@pytest.mark.parametrize("value", ["30m", "60", "9000"])
+def test_a_connect_timeout_cann_refuses_in_the_environment_is_refused(monkeypatch, value):
+    """Review, issue #40: HCCL_CONNECT_TIMEOUT from the environment was passed to every worker unchecked."""
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", value)
+    with pytest.raises(BackendError, match=f"HCCL_CONNECT_TIMEOUT={value} is not a whole number of seconds from 120"):
+        npu.hccl_env(BackendArgs())
+    assert npu.hccl_env(BackendArgs(hccl=HcclArgs(connect_timeout=600))) == {"HCCL_CONNECT_TIMEOUT": "600"}
+    with pytest.raises(BackendError, match="HCCL_CONNECT_TIMEOUT"):
+        store_timeout_s({"HCCL_CONNECT_TIMEOUT": value})
+
+
+@pytest.mark.parametrize(
+    "soc,timeout,refused",
+    [
+        ("Ascend910A", 0, True),  # 0 means "never" on Atlas A2 and later only
+        ("Ascend910ProB", 17341, True),
+        ("Ascend310P3", 0, True),
+        ("Ascend910A", 1800, False),
+        ("Ascend910B3", 0, False),
+        ("Ascend910_9391", 2147483647, False),
+    ],
+)
+def test_exec_timeout_is_held_to_the_soc_s_range(fake_npu, soc, timeout, refused):
+    fake_npu(soc)
+    args = BackendArgs(device="npu", precision="fp16", hccl=HcclArgs(exec_timeout=timeout))
+    if refused:
+        with pytest.raises(BackendError, match=f"exec_timeout={timeout}: on {soc} .* from 1 to 17340 s"):
+            resolve_backend(args)
+    else:
+        assert resolve_backend(args).env["HCCL_EXEC_TIMEOUT"] == str(timeout)
+
+
+def test_torch_npu_without_cann_is_reported_as_that_mismatch(monkeypatch, tmp_path):
+    """Issue #40: the probe said 'is CANN's set_env.sh sourced?' where CANN is missing altogether."""
+    from raylora.backends import ascend_env
+
+    monkeypatch.setattr(npu.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(npu.importlib.metadata, "version", lambda name: "2.6.0.post3")
+
+    def broken(name):
+        raise RuntimeError("Failed to load the backend extension: torch_npu")
+
+    monkeypatch.setattr(npu.importlib, "import_module", broken)
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    monkeypatch.setattr(ascend_env, "CANN_DEFAULTS", (tmp_path / "absent",))
+    ok, how = npu.probe()
+    assert not ok and "no CANN toolkit was found: torch_npu 2.6.0.post3 needs CANN 8.3.RC1" in how
+    assert "sourced" not in how
+
+
+def test_the_grouped_sweep_s_process_group_loads_torch_npu_before_hccl(monkeypatch):
+    """Issue #40: init_process_group("hccl") worked only while torch_npu auto-loaded with torch."""
+    import raylora.backends as backends
+
+    calls = []
+    monkeypatch.setattr(npu.importlib, "import_module", lambda name: calls.append(("import", name)))
+    monkeypatch.setattr(backends.dist, "init_process_group", lambda *a, **kw: calls.append(("init", a, kw)))
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "3600")
+    backends.init_process_group("hccl", "file:///tmp/store", 1, 4)
+    timeout = datetime.timedelta(seconds=3620)
+    assert calls == [
+        ("import", "torch_npu"),
+        ("init", ("hccl",), {"init_method": "file:///tmp/store", "rank": 1, "world_size": 4, "timeout": timeout}),
+    ]
+    calls.clear()
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT")
+    backends.init_process_group("gloo", "file:///tmp/store", 0, 2)
+    assert calls == [("init", ("gloo",), {"init_method": "file:///tmp/store", "rank": 0, "world_size": 2,
+                                          "timeout": datetime.timedelta(seconds=1800)})]  # fmt: skip
+
+    def broken(name):
+        raise ImportError("libhccl.so: cannot open shared object file")
+
+    monkeypatch.setattr(npu.importlib, "import_module", broken)
+    with pytest.raises(BackendError, match="HCCL needs torch_npu, which does not import .*libhccl.so"):
+        backends.init_process_group("hccl", "file:///tmp/store", 0, 2)
+
+
+def test_every_grad_scaler_comes_from_the_backend():
+    """Issue #40: torch_npu's own scaler (which clears the chip's overflow flag) only reaches the training loops if no
+    module makes its own GradScaler."""
+    package = Path(__file__).resolve().parents[2] / "raylora"
+    makers = [str(f.relative_to(package)) for f in package.rglob("*.py") if "GradScaler(" in f.read_text()]
+    assert sorted(makers) == ["backends/base.py", "backends/npu.py"]
+    users = [str(f.relative_to(package)) for f in package.rglob("*.py") if ".grad_scaler()" in f.read_text()]
+    assert sorted(users) == ["train/group.py", "train/loop.py", "train/quickstart.py"]
+
+
+def test_compile_on_npu_is_warned_of():
+    from raylora.backends import planned_backend
+
+    assert "TorchAir" in planned_backend(BackendArgs(device="npu")).compile_warning()
+    assert "beta" in planned_backend(BackendArgs(device="npu")).compile_warning()
+    assert planned_backend(BackendArgs(device="cpu")).compile_warning() is None
 
 
 def test_an_accelerator_workers_device_is_the_one_ray_assigned(monkeypatch):
@@ -381,5 +495,6 @@ def test_grad_scaler_is_torch_npus_own_on_an_fp16_npu_and_torchs_elsewhere(monke
 
 def test_the_ranks_store_waits_as_long_as_hccl_may_take_to_connect():
     assert store_timeout_s({}) == 1800  # Ray's default
-    assert store_timeout_s({"HCCL_CONNECT_TIMEOUT": "3600"}) == 3600
+    assert store_timeout_s({"HCCL_CONNECT_TIMEOUT": "3600"}) == 3620  # HCCL waits 20 s past its timeout
+    assert store_timeout_s({"HCCL_CONNECT_TIMEOUT": "7200"}) == 7220
     assert store_timeout_s({"HCCL_CONNECT_TIMEOUT": "600"}) == 1800

@@ -52,6 +52,23 @@ def test_doctor_flags_an_unreachable_ray_address(monkeypatch, capsys):
     assert "127.0.0.1:1 UNREACHABLE" in out and "ray start --head --node-ip-address=127.0.0.1" in out
 
 
+def test_doctor_cluster_without_a_cluster_says_how_to_start_one(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert main(["doctor", "--cluster"]) == 1
+    out = capsys.readouterr().out
+    assert "\ncluster nodes " in out and "PROBLEM: raylora doctor --cluster inspects a running Ray cluster" in out
+
+
+def test_doctor_warns_of_compile_on_npu(capsys):
+    main(["doctor", "configs/tiny_lora_cpu.yaml", "backend.device=npu", "train.compile=true"])
+    rows = [line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert ["train.compile", "WARNING: train.compile on NPU compiles through TorchAir, which its own guide calls a "
+            "beta feature aimed at inference; raylora has not run it on an NPU: keep train.compile=false unless you "
+            "have measured it"] in rows  # fmt: skip
+    assert main(["doctor", "configs/tiny_lora_cpu.yaml", "train.compile=true"]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+
+
 def test_model_errors_are_one_line_not_a_traceback(tmp_path, capsys):
     rc = main(["quickstart", "configs/tiny_lora_cpu.yaml", f"model.name_or_path={tmp_path}/missing",
                f"train.output_dir={tmp_path}/out"])  # fmt: skip

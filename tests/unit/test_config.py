@@ -100,6 +100,16 @@ def test_bad_overrides_join_the_file_problems(tmp_path):
     assert "≥ 120 and ≤ 7200" in dict(err.value.problems)["backend.hccl.connect_timeout"]
 
 
+def test_exec_timeout_is_held_to_cann_s_widest_range(tmp_path):
+    """Issue #40: HCCL_EXEC_TIMEOUT had no upper bound (Atlas A2/A3 take 0-2147483647; the SoC's own range is checked
+    where the worker sees it)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "train: {lr: 1.0e-4}\n"), ["backend.hccl.exec_timeout=2147483648"])
+    assert "≥ 0 and ≤ 2147483647" in dict(err.value.problems)["backend.hccl.exec_timeout"]
+    cfg = load_config(write(tmp_path, "train: {lr: 1.0e-4}\n"), ["backend.hccl.exec_timeout=0"])
+    assert cfg.backend.hccl.exec_timeout == 0
+
+
 def test_list_items_and_nested_sections_are_checked(tmp_path):
     text = "data:\n  sources:\n    - {path: a.json, fromat: alpaca}\n    - {format: alpaca}\nlora: {target_modules: [q_proj, 3]}\n"
     with pytest.raises(ConfigError) as err:

@@ -7,6 +7,7 @@ the fp32 result (Frobenius norm) may be at most 1.25x the other's plus 1e-3.
 import copy
 import itertools
 import random
+import sys
 
 import pytest
 import torch
@@ -232,3 +233,76 @@ def test_examples_longer_than_our_kernel_takes_go_to_sdpa_s_flash_kernel(monkeyp
         q, k, v = (torch.randn(h, n, 8) for h in (4, 2, 2))
         torch.testing.assert_close(packed.attend(q, k, v, 0.3), _causal_reference(q, k, v, 0.3), atol=1e-5, rtol=1e-5)
     assert used == ["ours"]
+
+
+def _fake_torch_npu(monkeypatch) -> list[dict]:
+    """A torch_npu whose ``npu_fusion_attention`` records its arguments and answers, for the TND layout, what the
+    kernel computes from them: each segment its causal attention, found from the cumulative ``actual_seq_qlen``
+    alone (the plain formula on CPU). Returns the record."""
+    calls = []
+
+    def npu_fusion_attention(query, key, value, head_num, input_layout, *, atten_mask, scale, sparse_mode,
+                             actual_seq_qlen, actual_seq_kvlen):  # fmt: skip
+        calls.append(dict(query=query, key=key, value=value, head_num=head_num, input_layout=input_layout,
+                          atten_mask=atten_mask, scale=scale, sparse_mode=sparse_mode,
+                          actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen))  # fmt: skip
+        ends = [0, *actual_seq_qlen]
+        pieces = [
+            _causal_reference(*(x[s:e].transpose(0, 1) for x in (query, key, value)), scale).transpose(0, 1)
+            for s, e in itertools.pairwise(ends)
+        ]
+        return torch.cat(pieces), None, None, None, 0, 0, 0  # attention_out, softmax max / sum, reserved, dropout
+
+    module = type(sys)("torch_npu")
+    module.npu_fusion_attention = npu_fusion_attention
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    return calls
+
+
+def test_the_npu_kernel_gets_the_pack_s_cumulative_ends_and_causal_mode(monkeypatch):
+    """torch_npu's documented varlen call: TND, ``actual_seq_qlen`` / ``actual_seq_kvlen`` the segments' cumulative
+    ends without the leading 0, sparse_mode 3 with the compressed 2048 x 2048 causal mask, fewer key/value heads
+    passed as they are (GQA)."""
+    calls = _fake_torch_npu(monkeypatch)
+    bounds = tuple(segment_bounds([[9, 6, 7], [11, 6]], WIDTH).tolist())
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(bounds[-1], h, 8, generator=gen) for h in (4, 2, 2))
+    out = packed.npu_fusion_attention(q, k, v, 0.3, bounds)
+    (call,) = calls
+    assert call["actual_seq_qlen"] == call["actual_seq_kvlen"] == [9, 15, 22, 24, 35, 41, 48]
+    assert (call["input_layout"], call["head_num"], call["scale"], call["sparse_mode"]) == ("TND", 4, 0.3, 3)
+    assert call["key"].shape == (48, 2, 8) and call["value"].shape == (48, 2, 8)
+    mask = call["atten_mask"]
+    assert mask.dtype == torch.bool and torch.equal(mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+    expected = [_causal_reference(*(x[s:e].transpose(0, 1) for x in (q, k, v)), 0.3) for s, e in
+                itertools.pairwise(bounds)]  # fmt: skip
+    torch.testing.assert_close(out, torch.cat(expected, dim=1).transpose(0, 1), atol=1e-5, rtol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        packed.npu_fusion_attention(q, k, v, 0.3, bounds)
+    assert {calls[-1][name].dtype for name in ("query", "key", "value")} == {torch.bfloat16}  # one dtype, autocast's
+
+
+def test_a_packed_batch_on_the_npu_takes_one_fused_call_per_layer_and_keeps_loss_and_gradients(monkeypatch):
+    """The whole path on the tiny model with the kernel mocked (device type ``cpu`` standing for ``npu``): one call per
+    layer, and the loss and LoRA gradients of the block-mask reference (fp32, 1e-5)."""
+    calls = _fake_torch_npu(monkeypatch)
+    reference, ours = _pair(chunked=True)
+    batch = collate_packs(_rows(), 0, width=WIDTH)
+    exact = _run(reference, batch)
+    monkeypatch.setattr(packed, "FUSED_ON", "cpu")
+    got = _run(ours, batch)
+    assert len(calls) == ours.model.get_base_model().config.num_hidden_layers
+    torch.testing.assert_close(got[0], exact[0], atol=1e-5, rtol=1e-5)
+    for name in exact[1]:
+        torch.testing.assert_close(got[1][name], exact[1][name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_more_segments_than_the_npu_kernel_takes_go_example_by_example(monkeypatch):
+    calls = _fake_torch_npu(monkeypatch)
+    monkeypatch.setattr(packed, "FUSED_ON", "cpu")
+    monkeypatch.setattr(packed, "FUSED_MAX_SEGMENTS", 2)
+    query, key, value = (torch.randn(1, h, 10, 8) for h in (4, 2, 2))
+    packed.packed_attention(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=torch.tensor([0, 3, 6, 10]))
+    assert calls == []
+    packed.packed_attention(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=torch.tensor([0, 6, 10]))
+    assert len(calls) == 1
