@@ -28,6 +28,9 @@ def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, **
 
 
 # The metrics `raylora eval` computes (raylora.eval.metrics), in the order reports show them.
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo")  # train.objective: supervised, or a preference objective
+# what a preference objective's evaluations report beside eval_loss (raylora.train.preference.STATS), to sweep on
+PREFERENCE_METRICS = ("eval_rewards/accuracies", "eval_rewards/margins")
 METRICS = ("exact_match", "contains", "rouge-1", "rouge-2", "rouge-l", "bleu-4", "tool_name", "tool_args",
            "tool_json", "length", "reference_loss", "judge")  # fmt: skip
 
@@ -172,12 +175,35 @@ class TrainArgs:
     profile: bool = _f(
         False, help="profile steps 3-5 on rank 0: trace and top-operators table in output_dir/profile and MLflow"
     )
+    objective: str = _f(
+        "sft",
+        help="what the adapter learns: sft (the answers), or a preference objective on chosen / rejected answers: "
+        "dpo (against the base with the adapter off), simpo or orpo (no reference); settings in preference.*",
+        choices=OBJECTIVES,
+    )
+
+
+@dataclass
+class PreferenceArgs:
+    beta: float = _f(
+        0.1, help="dpo: strength of the pull away from the reference; simpo: reward scale (SimPO's paper: 2-2.5); "
+        "orpo: weight of the odds-ratio term (ORPO's lambda)", gt=0,
+    )  # fmt: skip
+    loss_type: str = _f(
+        "sigmoid", help="dpo's loss: sigmoid (DPO) or ipo (squared, on length-averaged log-probabilities)",
+        choices=("sigmoid", "ipo"),
+    )  # fmt: skip
+    label_smoothing: float = _f(
+        0.0, help="dpo (sigmoid) and simpo: assumed share of pairs whose labels are flipped (conservative DPO)",
+        min=0.0, lt=0.5,
+    )  # fmt: skip
+    gamma: float = _f(0.5, help="simpo: target reward margin over beta (TRL's simpo_gamma)", min=0.0)
 
 
 @dataclass
 class TuneArgs:
     space: dict[str, Any] = _f(
-        help="search space: a lora.* or train.* key -> one distribution: {choice: [v, ...]}, {grid: [v, ...]}, "
+        help="search space: a lora.*, train.* or preference.* key -> one distribution: {choice: [v, ...]}, {grid: [v, ...]}, "
         "{uniform: [low, high]}, {loguniform: [low, high]}, {randint: [low, high]} (high excluded)",
         factory=dict,
     )
@@ -197,7 +223,7 @@ class TuneArgs:
         help="metric to optimise: as training reports it (eval_* every train.eval_every steps; loss every log_every), "
         "or a metric of raylora eval (exact_match, rouge-l, ...: ASHA then stops trials on eval_loss, and the best "
         "completed trial is the one whose answers to the eval set score best)",
-        choices=("eval_loss", "eval_perplexity", "loss", *(m for m in METRICS if m != "length")),
+        choices=("eval_loss", "eval_perplexity", "loss", *PREFERENCE_METRICS, *(m for m in METRICS if m != "length")),
     )
     mode: str = _f("min", help="optimisation direction", choices=("min", "max"))
     max_concurrent: int | None = _f(
@@ -408,6 +434,7 @@ class JobConfig:
     model: ModelArgs = _f(help="base model", factory=ModelArgs)
     lora: LoraArgs = _f(help="adapter", factory=LoraArgs)
     train: TrainArgs = _f(help="training", factory=TrainArgs)
+    preference: PreferenceArgs = _f(help="preference objectives (train.objective)", factory=PreferenceArgs)
     tune: TuneArgs = _f(help="sweeps", factory=TuneArgs)
     serve: ServeArgs = _f(help="serving", factory=ServeArgs)
     export: ExportArgs = _f(help="merged or quantised model folders", factory=ExportArgs)

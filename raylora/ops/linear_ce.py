@@ -24,11 +24,11 @@ CACHE_ELEMENTS = 2**20  # logits scored at a time: their fp32 copy (4 MB) stays 
 
 
 def _score(logits: torch.Tensor, targets: torch.Tensor, grad: bool) -> torch.Tensor:
-    """The summed cross-entropy of a few rows of ``logits`` (in fp32); with ``grad``, overwrites them with its
+    """The cross-entropy of each of a few rows of ``logits`` (in fp32); with ``grad``, overwrites them with its
     gradient with respect to them, ``softmax - one_hot(target)``."""
     z = logits.float()
     lse = torch.logsumexp(z, dim=-1)
-    loss = (lse - z.gather(1, targets[:, None]).squeeze(1)).sum()
+    loss = lse - z.gather(1, targets[:, None]).squeeze(1)
     if grad:
         z.sub_(lse[:, None]).exp_()
         z[torch.arange(targets.shape[0], device=targets.device), targets] -= 1
@@ -37,10 +37,13 @@ def _score(logits: torch.Tensor, targets: torch.Tensor, grad: bool) -> torch.Ten
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed over rows (``per_row`` False) or one loss a row (``per_row`` True: the head's weight is then frozen,
+    since its gradient, a sum over rows, cannot be weighted by row afterwards)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows, dtype):
+    def forward(ctx, hidden, weight, targets, rows, dtype, per_row=False):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         w = weight.to(dtype)
@@ -51,21 +54,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 logits = h @ w.T
                 step = max(1, CACHE_ELEMENTS // logits.shape[1])
                 for part in range(0, logits.shape[0], step):
-                    total += _score(logits[part : part + step], t[part : part + step], want_h or want_w)
+                    scored = _score(logits[part : part + step], t[part : part + step], want_h or want_w)
+                    losses[start + part : start + part + scored.shape[0]] = scored
                 if want_h:
                     grad_h[start : start + rows] = logits @ w
                 if want_w:
                     grad_w += (logits.T @ h).float()
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
-        return total
+        ctx.weight_dtype, ctx.per_row = weight.dtype, per_row
+        return losses if per_row else losses.sum()
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
+        if ctx.per_row:
+            grad_out = grad_out[:, None]
         return (
-            grad_h * grad_total.to(grad_h.dtype) if grad_h is not None else None,
-            (grad_w * grad_total).to(ctx.weight_dtype) if grad_w is not None else None,
+            grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+            (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None,
+            None,
             None,
             None,
             None,
@@ -90,6 +97,23 @@ def linear_cross_entropy(
         return (hidden.sum() + weight.sum()).float() * 0
     rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, targets, rows, dtype or hidden.dtype)
+
+
+def linear_token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T, targets)`` of each row, (N,) fp32, scored as :func:`linear_cross_entropy`
+    scores (a chunk of rows at a time, the logits never held); the gradient reaches ``hidden`` only.
+
+    Raises:
+        ValueError: ``weight`` requires a gradient (a trained head: use :func:`linear_cross_entropy`).
+    """
+    if weight.requires_grad:
+        raise ValueError("linear_token_losses needs a frozen head: its gradient is a sum over rows, not per row")
+    if hidden.shape[0] == 0:
+        return hidden.sum(dim=1).float() * 0
+    rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, targets, rows, dtype or hidden.dtype, True)
 
 
 def linear_cross_entropy_reference(

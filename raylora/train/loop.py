@@ -47,6 +47,7 @@ from raylora.train.policy import (
     step_metrics,
     take_step,
 )
+from raylora.train.preference import REFERENCE_FREE, PreferenceModel, evaluate_pairs, preference_step
 
 
 def train_worker(config: dict) -> dict:
@@ -74,6 +75,13 @@ def train_worker(config: dict) -> dict:
     model, tokenizer = load_model(cfg.model)
     model = attach_lora(model, cfg.lora).to(device).train()
     loss_model, notes = training_model(model, cfg.train, backend)
+    step, evaluation = train_step, evaluate
+    if cfg.train.objective != "sft":
+        loss_model = PreferenceModel(loss_model.model, loss_model.chunked, cfg.train.objective, cfg.preference,
+                                     loss_model.head)  # fmt: skip
+        step, evaluation = preference_step, evaluate_pairs
+        notes.append(f"objective {cfg.train.objective}" + ("" if cfg.train.objective in REFERENCE_FREE else
+                                                          ", reference: the base with the adapter off"))  # fmt: skip
     notes.append(priority)
     optimizer = build_optimizer(model, cfg.train, backend)
     lr_scale = [1.0]
@@ -137,7 +145,7 @@ def train_worker(config: dict) -> dict:
     while state.step < train.max_steps:
         trace = start_trace(overlap_due and profiler is None and state.step >= resumed_from + 2)
         overlap_due = overlap_due and trace is None
-        loss, tokens, grad_norm, position = train_step(
+        loss, tokens, grad_norm, position, extra = step(
             ddp,
             batches,
             optimizer,
@@ -178,7 +186,7 @@ def train_worker(config: dict) -> dict:
             continue
         elapsed = time.perf_counter() - started
         lr = scheduler.get_last_lr()[0]
-        metrics = step_metrics(loss, lr, grad_norm, tokens_seen, elapsed, tokens_before, backend, state)
+        metrics = step_metrics(loss, lr, grad_norm, tokens_seen, elapsed, tokens_before, backend, state) | extra
         if hook is not None:
             metrics["comm_bytes_per_step"] = comm_bytes / comm_steps
             comm_bytes, comm_steps = 0, 0
@@ -186,7 +194,7 @@ def train_worker(config: dict) -> dict:
             overlap = {}
         if when.evaluate and eval_shard is not None:
             metrics.update(
-                evaluate(loss_model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
+                evaluation(loss_model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
             )
         if when.final and not params_finite(p for p in model.parameters() if p.requires_grad):
             return outcome("diverged", state, resumed_from)
@@ -339,7 +347,9 @@ def train_step(
         ddp: the :class:`~raylora.train.lm.LossModel`, DDP-wrapped when ``world > 1``.
         batches: iterator of ``(pack rows, data position)``.
     Returns:
-        ``(loss per label token over workers, real tokens over workers, gradient norm, data position)``.
+        ``(loss per label token over workers, real tokens over workers, gradient norm, data position, {})``: the
+        last, metrics of the step's objective, has none for this one (see
+        :func:`~raylora.train.preference.preference_step`).
     """
     micro, labels, tokens = [], 0, 0
     for _ in range(train.grad_accum):
@@ -363,7 +373,7 @@ def train_step(
     loss = total.item() / max(counts[0].item(), 1.0)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = take_step(params, optimizer, scheduler, scaler, train.max_grad_norm, loss)
-    return loss, int(counts[1].item()), grad_norm, position
+    return loss, int(counts[1].item()), grad_norm, position, {}
 
 
 @torch.no_grad()

@@ -116,7 +116,7 @@ def train_steps(
     batches = shuffled(packs, train.batch_size, train.seed)
     start = time.perf_counter()
     for step in range(1, train.max_steps + 1):
-        loss, seen, _, _ = train_step(
+        loss, seen, _, _, _ = train_step(
             loss_model, batches, optimizer, scheduler, scaler, pad_id, backend.amp_dtype or model.dtype, device,
             train, backend, 1,
         )  # fmt: skip

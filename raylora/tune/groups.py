@@ -53,7 +53,8 @@ def check(cfg: JobConfig) -> None:
     """Refuse what a grouped sweep (``tune.trials_per_group > 1``) cannot run, naming each trial value and field.
 
     Raises:
-        ConfigError: a searched key that members must share, DoRA, a ``torch.compile`` or ``comm_hook`` job.
+        ConfigError: a searched key that members must share, DoRA, a ``torch.compile`` or ``comm_hook`` job, a
+            preference objective.
     """
     k = cfg.tune.trials_per_group
     problems: list[tuple[str, str]] = []
@@ -68,6 +69,9 @@ def check(cfg: JobConfig) -> None:
         )
     if cfg.train.compile:
         problems.append(("train.compile", f"is not supported with tune.trials_per_group={k}; set it to false"))
+    if cfg.train.objective != "sft":
+        problems.append(("train.objective", f"{cfg.train.objective}: a group trains supervised fine-tuning only; set "
+                         "tune.trials_per_group=1 (each trial its own Ray Train run)"))  # fmt: skip
     for value in trial_values(cfg, "lora.use_dora"):
         if value:
             problems.append((problem_key(cfg, "lora.use_dora"), "a trial with lora.use_dora=true: DoRA cannot be grouped; "

@@ -1,6 +1,6 @@
 """The sweep's search space: written in YAML over dotted config keys, checked whole before any trial.
 
-``tune.space`` maps a ``lora.*`` or ``train.*`` key to one distribution::
+``tune.space`` maps a ``lora.*``, ``train.*`` or ``preference.*`` key to one distribution::
 
     lora.rank: {choice: [4, 8, 16]}          # any values the key accepts
     train.lr: {loguniform: [1.0e-5, 1.0e-3]} # low > 0
@@ -23,17 +23,28 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from raylora.config import ConfigError, JobConfig, LoraArgs, TrainArgs, coerce, from_dict, to_dict
+from raylora.config import (
+    PREFERENCE_METRICS,
+    ConfigError,
+    JobConfig,
+    LoraArgs,
+    PreferenceArgs,
+    TrainArgs,
+    coerce,
+    from_dict,
+    to_dict,
+)
 from raylora.registry import AdapterError, check_name
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 RANGES = ("uniform", "loguniform", "randint")
-SWEPT_SECTIONS = {"lora": LoraArgs, "train": TrainArgs}
+SWEPT_SECTIONS = {"lora": LoraArgs, "train": TrainArgs, "preference": PreferenceArgs}
 # The sweep decides these per trial or for the whole sweep; a trial must not change them.
 FIXED = {
     "train.output_dir": "each trial writes to train.output_dir/trials/<trial id>",
     "train.eval_every": "the ASHA rungs and the reported metric depend on it",
     "train.max_steps": "ASHA's budget is train.max_steps",
+    "train.objective": "every trial trains on the data prepared once, which is of one objective's kind",
 }
 
 
@@ -74,9 +85,16 @@ def check(cfg: JobConfig) -> None:
             problems.append(("tune.search", "optuna is not installed; pip install optuna, or use search: random"))
     evaluates = cfg.data.eval_fraction > 0 or cfg.data.eval_count is not None
     lower_better = tune.metric in ("eval_loss", "eval_perplexity", "loss", "reference_loss")
-    if tune.answers and tune.mode != ("min" if lower_better else "max"):
+    if (tune.answers or tune.metric in PREFERENCE_METRICS) and tune.mode != ("min" if lower_better else "max"):
         problems.append(("tune.mode", f"is {tune.mode}, and a {'lower' if lower_better else 'higher'} {tune.metric} "
                                       f"is better; set tune.mode={'min' if lower_better else 'max'}"))  # fmt: skip
+    if cfg.train.objective == "sft" and tune.metric in PREFERENCE_METRICS:
+        problems.append(("tune.metric", f"{tune.metric} is reported by a preference objective (train.objective dpo, "
+                                        "simpo or orpo); this job trains sft"))  # fmt: skip
+    if cfg.train.objective != "sft" and tune.metric == "eval_perplexity":
+        problems.append(("tune.metric", f"train.objective {cfg.train.objective} reports no perplexity: its eval_loss "
+                                        f"is its objective on the held-out pairs; use eval_loss or one of "
+                                        f"{', '.join(PREFERENCE_METRICS)}"))  # fmt: skip
     if tune.metric == "judge" and not cfg.eval.judge.url:
         problems.append(("tune.metric", "judge scores answers with eval.judge.url's model, and it is not set"))
     if tune.rung_metric.startswith("eval_") and not evaluates:
@@ -238,7 +256,7 @@ def _check_entry(cfg: JobConfig, key: str, spec: Any) -> list[tuple[str, str]]:
         return [
             (
                 where,
-                f"only lora.* and train.* keys can be searched (trials share the data prepared once and the "
+                f"only lora.*, train.* and preference.* keys can be searched (trials share the data prepared once and the "
                 f"model); got section {section!r}",
             )
         ]

@@ -49,7 +49,7 @@ def _step(loss_model, rows: list[dict], per_micro: int, world: int, backend=BACK
     batches = iter([(rows[i : i + per_micro], (0, i)) for i in range(0, len(rows), per_micro)])
     train = TrainArgs(grad_accum=len(rows) // per_micro, max_grad_norm=0.0)
     ddp = DistributedDataParallel(loss_model) if world > 1 else loss_model
-    loss, tokens, norm, _ = train_step(
+    loss, tokens, norm, _, _ = train_step(
         ddp, batches, optimizer, scheduler, scaler, 0, backend.amp_dtype or torch.float32, torch.device("cpu"), train,
         backend, world,
     )  # fmt: skip

@@ -83,8 +83,8 @@ def test_members_must_share_the_model_the_data_and_the_workers():
         "tune.space={model.name_or_path: {choice: [tiny-llama, tiny-qwen2]}, data.cutoff_len: {choice: [64, 128]},"
         " train.cpus_per_worker: {choice: [1, 2]}, lora.use_dora: {choice: [true, false]}}"
     )
-    assert "only lora.* and train.* keys" in found["tune.space.model.name_or_path"]
-    assert "only lora.* and train.* keys" in found["tune.space.data.cutoff_len"]
+    assert "only lora.*, train.* and preference.* keys" in found["tune.space.model.name_or_path"]
+    assert "only lora.*, train.* and preference.* keys" in found["tune.space.data.cutoff_len"]
     cfg = load_config(CONFIG, ["tune.trials_per_group=4", "train.compile=true",
                                "tune.space={train.cpus_per_worker: {choice: [1, 2]}, lora.use_dora: {choice: [true, false]}}"])  # fmt: skip
     with pytest.raises(ConfigError) as e:
@@ -234,3 +234,27 @@ def test_a_grouped_trials_process_imports_neither_torch_nor_mlflow():
     code = "import sys, raylora.tune.groups\nprint(sorted(m for m in ('torch', 'mlflow', 'peft') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_group_refuses_a_preference_objective_and_a_sweep_cannot_search_the_objective():
+    assert "a group trains supervised fine-tuning only" in problems("train.objective=dpo")["train.objective"]
+    cfg = load_config(
+        CONFIG, ["tune.space={train.objective: {choice: [sft, dpo]}, preference.beta: {choice: [0.1, 0.5]}}"]
+    )
+    with pytest.raises(ConfigError) as e:
+        space.check(cfg)
+    found = dict(e.value.problems)
+    assert "one objective's kind" in found["tune.space.train.objective"]
+    assert "tune.space.preference.beta" not in found  # the preference keys are searched like lora.* and train.*
+
+
+def test_a_preference_sweep_checks_its_metric_against_the_objective():
+    def found(*overrides):
+        with pytest.raises(ConfigError) as e:
+            space.check(load_config(CONFIG, list(overrides)))
+        return dict(e.value.problems)
+
+    assert "reports no perplexity" in found("train.objective=dpo", "tune.metric=eval_perplexity")["tune.metric"]
+    assert "this job trains sft" in found("tune.metric=eval_rewards/accuracies", "tune.mode=max")["tune.metric"]
+    assert "set tune.mode=max" in found("train.objective=dpo", "tune.metric=eval_rewards/accuracies")["tune.mode"]
+    space.check(load_config(CONFIG, ["train.objective=dpo", "tune.metric=eval_rewards/margins", "tune.mode=max"]))

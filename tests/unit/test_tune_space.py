@@ -33,7 +33,11 @@ def test_empty_space():
         ("train.lr: {uniform: [0.1]}", "train.lr", "uniform takes [low, high]"),
         ("train.lr: {loguniform: [0, 1.0e-3]}", "train.lr", "loguniform needs low > 0"),
         ("lora.rnak: {choice: [4]}", "lora.rnak", "did you mean 'lora.rank'?"),
-        ("data.cutoff_len: {choice: [64]}", "data.cutoff_len", "only lora.* and train.* keys can be searched"),
+        (
+            "data.cutoff_len: {choice: [64]}",
+            "data.cutoff_len",
+            "only lora.*, train.* and preference.* keys can be searched",
+        ),
         ("lora.target_modules: {uniform: [1, 2]}", "lora.target_modules", "uniform needs a number key"),
         ("lora.rank: {uniform: [4, 16]}", "lora.rank", "use randint or choice"),
         ("train.lr: {randint: [1, 3]}", "train.lr", "randint needs an integer key"),
