@@ -23,6 +23,6 @@ def quantize(model, tokenizer, cfg: JobConfig, method: str) -> dict:
     if method == "w8a8-smoothquant":
         if not cfg.data.sources:
             raise ValueError(f"quantization {method} calibrates on data.sources, which is empty: name a data file")
-        ids = sample_token_ids(cfg.data, tokenizer, cfg.serve.calibration_rows)
+        ids = sample_token_ids(cfg.data, tokenizer, cfg.serve.calibration_rows, objective=cfg.train.objective)
         calibration = [torch.tensor(x) for x in ids if x]
     return quantize_model(model, method, calibration, cfg.serve.smoothquant_alpha)

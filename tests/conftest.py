@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "integration/test_demo.py",
     "integration/test_tune_shared.py",
     "integration/test_train_cluster.py",
+    "integration/test_preference.py",
     "integration/test_serve.py",
     "integration/test_cluster_address.py",
     "integration/test_smollm2.py",

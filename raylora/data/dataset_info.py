@@ -8,8 +8,9 @@ A registry written for LLaMA-Factory works unchanged. An entry such as::
 becomes a source: ``file_name`` (a file or folder, relative to the registry's folder), ``formatting``
 (``alpaca`` by default, ``sharegpt`` or ``openai``), its ``columns`` and sharegpt ``tags`` translated to the
 names of :data:`~raylora.data.formats.DEFAULT_COLUMNS`. An alpaca entry with a prompt column and no response
-is pre-training text, as in LLaMA-Factory. What raylora cannot honour (hub and cloud datasets, preference and
-multimodal columns, sampling) is refused with the reason, never skipped.
+is pre-training text, as in LLaMA-Factory. A ``ranking: true`` entry names its answers' ``chosen`` and
+``rejected`` columns (preference pairs, :mod:`raylora.data.preference`). What raylora cannot honour (hub and
+cloud datasets, KTO's and multimodal columns, sampling) is refused with the reason, never skipped.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ REFUSED = {
     "subset": "a hub subset: raylora reads local files only",
     "folder": "a hub folder: raylora reads local files only",
 }
-REFUSED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
+REFUSED_COLUMNS = ("images", "videos", "audios")
+RANKING_COLUMNS = ("chosen", "rejected")  # a ranking entry's answers, as raylora's columns name them too
 
 
 class RegistryError(ValueError):
@@ -88,8 +90,6 @@ def resolve(registry: dict[str, Any], path: str, name: str) -> dict[str, Any]:
                 refused + [f"{key} (not a LLaMA-Factory key raylora knows: {', '.join(KEYS)})" for key in unknown]
             )
         )
-    if entry.get("ranking"):
-        raise RegistryError(f"{where} is preference data (ranking: true); raylora trains on supervised rows only")
     if not isinstance(entry.get("file_name"), str):
         raise RegistryError(f"{where} has no file_name (the data file or folder, beside {Path(path).name})")
     columns = entry.get("columns") or {}
@@ -99,18 +99,29 @@ def resolve(registry: dict[str, Any], path: str, name: str) -> dict[str, Any]:
     bad = [c for c in columns if c in REFUSED_COLUMNS]
     if bad:
         raise RegistryError(f"{where} has {', '.join(bad)} columns; raylora trains on text conversations only")
-    fmt, ours = _translate(entry.get("formatting", "alpaca"), columns, tags, where)
-    return {"path": str(Path(path).resolve().parent / entry["file_name"]), "format": fmt, "columns": ours}
+    if "kto_tag" in columns:
+        raise RegistryError(
+            f"{where} has a kto_tag column: KTO's unpaired rows; raylora trains the paired objectives dpo, simpo and "
+            "orpo (a chosen and a rejected answer per prompt); KTO is not built yet"
+        )
+    ranked = {k: v for k, v in columns.items() if k in RANKING_COLUMNS}
+    if ranked and not entry.get("ranking"):
+        raise RegistryError(
+            f"{where} has {', '.join(ranked)} columns but not ranking: true (LLaMA-Factory reads them only then)"
+        )
+    rest = {k: v for k, v in columns.items() if k not in RANKING_COLUMNS}
+    fmt, ours = _translate(entry.get("formatting", "alpaca"), rest, tags, where, bool(entry.get("ranking")))
+    return {"path": str(Path(path).resolve().parent / entry["file_name"]), "format": fmt, "columns": {**ours, **ranked}}
 
 
-def _translate(formatting: str, columns: dict, tags: dict, where: str) -> tuple[str, dict[str, str]]:
+def _translate(formatting: str, columns: dict, tags: dict, where: str, ranking: bool) -> tuple[str, dict[str, str]]:
     if formatting == "alpaca":
         unknown = sorted(set(columns) - set(ALPACA_COLUMNS))
         if unknown or tags:
             raise RegistryError(
                 f"{where}: alpaca columns are {', '.join(ALPACA_COLUMNS)} (got {', '.join(unknown or tags)})"
             )
-        if "prompt" in columns and "response" not in columns and len(columns) == 1:
+        if "prompt" in columns and "response" not in columns and len(columns) == 1 and not ranking:
             return "text", {"text": columns["prompt"]}  # LLaMA-Factory's pre-training data
         return "alpaca", {ALPACA_COLUMNS[k]: v for k, v in columns.items()}
     if formatting not in ("sharegpt", "openai"):

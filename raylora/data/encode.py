@@ -270,8 +270,11 @@ class Encoder:
             for error, a, b in zip(batch.errors, batch.offsets[:-1], batch.offsets[1:], strict=True)
         ]
 
-    def encode_arrays(self, conversations: list[Conversation | list[Message]]) -> EncodedBatch:
-        """Encode a batch into flat arrays: render, tokenise every segment together, then mask and cut with numpy."""
+    def encode_arrays(self, conversations: list[Conversation | list[Message]], whole: bool = False) -> EncodedBatch:
+        """Encode a batch into flat arrays: render, tokenise every segment together, then mask and cut with numpy.
+
+        With ``whole``, no row is cut or rejected for its length (callers that fit rows to ``cutoff_len`` themselves).
+        """
         n = len(conversations)
         errors: list[RowError | None] = [None] * n
         plans: list[list[tuple[str, bool]]] = []
@@ -291,14 +294,15 @@ class Encoder:
         row_lens = np.diff(piece_ends[np.concatenate([[0], np.cumsum(pieces_per_row)])])
         row_of = np.repeat(np.arange(n), row_lens)
         position = np.arange(len(ids)) - np.repeat(np.cumsum(row_lens) - row_lens, row_lens)
-        keep_lens = np.minimum(row_lens, self.cutoff_len)
-        learned_kept = np.bincount(row_of[learned & (position < self.cutoff_len)], minlength=n)
-        for i in np.flatnonzero((row_lens > self.cutoff_len) | (learned_kept == 0)):
+        cutoff = np.iinfo(np.int64).max if whole else self.cutoff_len
+        keep_lens = np.minimum(row_lens, cutoff)
+        learned_kept = np.bincount(row_of[learned & (position < cutoff)], minlength=n)
+        for i in np.flatnonzero((row_lens > cutoff) | (learned_kept == 0)):
             if errors[i] is not None:
                 continue
             if not any(lrn for _, lrn in plans[i]):
                 errors[i] = RowError("nothing to learn: every turn has loss_weight 0")
-            elif self.truncation == "reject" and row_lens[i] > self.cutoff_len:
+            elif self.truncation == "reject" and row_lens[i] > cutoff:
                 # the count after ";": the summary groups reasons by what comes before it (one line, not one per length)
                 errors[i] = RowError(f"longer than data.cutoff_len={self.cutoff_len}; {row_lens[i]} tokens")
             elif learned_kept[i] == 0:

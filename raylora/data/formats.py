@@ -44,11 +44,13 @@ DEFAULT_COLUMNS = {
 }  # fmt: skip
 _OPENAI_ROLES = ("system", "user", "assistant", "tool")
 TEXT_KEYS = ("text", "value")  # a content part's text, as OpenAI and LLaMA-Factory's v1 format name it
-# A preference (ranking) row, as LLaMA-Factory and TRL name its answers: training on its prompt alone would be wrong.
-PREFERENCE_KEYS = {"chosen", "rejected"}
+# A preference (ranking) row's answers, as LLaMA-Factory (v0) and TRL name them; data.sources[].columns may rename them.
+PAIR_COLUMNS = {"chosen": "chosen", "rejected": "rejected"}
+# The answers of LLaMA-Factory v1's pairs and of OpenAI's preference fine-tuning, under fixed names.
+PAIR_KEYS = (("chosen_messages", "rejected_messages"), ("preferred_output", "non_preferred_output"))
 PREFERENCE = (
-    "a preference row (chosen / rejected answers): raylora trains supervised fine-tuning only; give rows with one "
-    "answer per prompt"
+    "a preference row (chosen / rejected answers), but train.objective is sft: set train.objective: dpo (or simpo / "
+    "orpo) to train on the pairs; columns: {output: chosen} still trains SFT on the chosen answers"
 )
 
 
@@ -61,9 +63,16 @@ class Conversation:
 
 
 def is_preference(row: Any, columns: dict[str, str]) -> bool:
-    """Whether a row holds a chosen and a rejected answer that no ``columns`` entry maps to a field (a dataset's
-    chosen answers trained as plain answers map ``output: chosen``)."""
-    return isinstance(row, dict) and PREFERENCE_KEYS <= row.keys() and not PREFERENCE_KEYS & set(columns.values())
+    """Whether a row holds a chosen and a rejected answer: under :data:`PAIR_KEYS`, or under the names
+    :data:`PAIR_COLUMNS` (as ``columns`` renames them) when no other ``columns`` entry maps them to a field (a
+    dataset's chosen answers trained as plain answers map ``output: chosen``)."""
+    if not isinstance(row, dict):
+        return False
+    if any(a in row and b in row for a, b in PAIR_KEYS):
+        return True
+    used = {v for k, v in columns.items() if k not in PAIR_COLUMNS}
+    names = [columns.get(k, v) for k, v in PAIR_COLUMNS.items()]
+    return all(name in row and name not in used for name in names)
 
 
 class RowError(ValueError):
@@ -116,7 +125,9 @@ def to_conversation(
     if is_preference(row, columns):
         raise RowError(PREFERENCE)
     names = {**DEFAULT_COLUMNS[fmt], **columns}
-    messages = {"alpaca": _alpaca, "sharegpt": _sharegpt, "openai": _openai, "text": _text}[fmt](row, names)
+    messages = {"alpaca": alpaca_messages, "sharegpt": sharegpt_messages, "openai": openai_messages, "text": _text}[
+        fmt
+    ](row, names)
     if fmt == "text":
         return Conversation([{"role": "text", "content": fill(messages[0]["content"], placeholders)}])
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -128,6 +139,13 @@ def to_conversation(
         for i, m in enumerate(messages):
             if i != assistants[-1] and (m["role"] == "assistant" or "loss_weight" in m):
                 m["loss_weight"] = 0.0
+    fill_messages(messages, placeholders, drop_reasoning)
+    return Conversation(messages, fill_all(parse_tools(row.get(names["tools"]), names["tools"]), placeholders))
+
+
+def fill_messages(messages: list[Message], placeholders: dict[str, str], drop_reasoning: bool) -> None:
+    """Fill ``{{key}}`` placeholders in the messages' text, reasoning and tool calls, in place; with
+    ``drop_reasoning``, remove their reasoning instead."""
     for m in messages:
         m["content"] = fill(m["content"], placeholders)
         if "reasoning" in m:
@@ -137,7 +155,6 @@ def to_conversation(
                 m["reasoning"] = fill(m["reasoning"], placeholders)
         if "tool_calls" in m:
             m["tool_calls"] = fill_all(m["tool_calls"], placeholders)
-    return Conversation(messages, fill_all(parse_tools(row.get(names["tools"]), names["tools"]), placeholders))
 
 
 def fill_all(value: Any, placeholders: dict[str, str]) -> Any:
@@ -238,7 +255,8 @@ def _flag(row: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _string(row: dict, name: str, required: bool = True) -> str:
+def string_field(row: dict, name: str, required: bool = True) -> str:
+    """``row[name]``, a string (``""`` when absent and not ``required``); else a :class:`RowError` naming the field."""
     value = row.get(name)
     if value is None and not required:
         return ""
@@ -265,9 +283,10 @@ def _loss_weight(turn: dict, message: Message, k: int) -> Message:
     return {**message, "loss_weight": float(weight)}
 
 
-def _alpaca(row: dict, names: dict[str, str]) -> list[Message]:
+def alpaca_messages(row: dict, names: dict[str, str]) -> list[Message]:
+    """An alpaca row's messages (fields named by ``names``): system, history, the prompt and its answer."""
     messages: list[Message] = []
-    system = _string(row, names["system"], required=False)
+    system = string_field(row, names["system"], required=False)
     if system.strip():
         messages.append({"role": "system", "content": system})
     history = row.get(names["history"]) or []
@@ -277,14 +296,14 @@ def _alpaca(row: dict, names: dict[str, str]) -> list[Message]:
         if not (isinstance(turn, (list, tuple)) and len(turn) == 2 and all(isinstance(t, str) for t in turn)):
             raise RowError(f"field {names['history']!r} must be a list of [prompt, response] string pairs")
         messages += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
-    instruction = _string(row, names["instruction"])
-    extra = _string(row, names["input"], required=False)
+    instruction = string_field(row, names["instruction"])
+    extra = string_field(row, names["input"], required=False)
     prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     if not prompt.strip():
         raise RowError(f"empty prompt ({names['instruction']!r})")
     return messages + [
         {"role": "user", "content": prompt},
-        {"role": "assistant", "content": _string(row, names["output"])},
+        {"role": "assistant", "content": string_field(row, names["output"])},
     ]
 
 
@@ -297,13 +316,14 @@ def _turns(row: dict, names: dict[str, str]) -> list[Any]:
     return turns
 
 
-def _sharegpt(row: dict, names: dict[str, str]) -> list[Message]:
+def sharegpt_messages(row: dict, names: dict[str, str]) -> list[Message]:
+    """A sharegpt row's messages (fields and role tags named by ``names``), its system column first."""
     roles = {
         names["user_tag"]: "user", names["assistant_tag"]: "assistant", names["system_tag"]: "system",
         names["function_tag"]: "assistant", names["observation_tag"]: "tool",
     }  # fmt: skip
     messages: list[Message] = []
-    system = _string(row, names["system"], required=False)
+    system = string_field(row, names["system"], required=False)
     if system.strip():
         messages.append({"role": "system", "content": system})
     for k, turn in enumerate(_turns(row, names)):
@@ -312,7 +332,7 @@ def _sharegpt(row: dict, names: dict[str, str]) -> list[Message]:
             raise RowError(
                 f"unknown role {tag!r}; expected one of {', '.join(map(repr, roles))} (data.sources[].columns)"
             )
-        content = _string(turn, names["content_tag"])
+        content = string_field(turn, names["content_tag"])
         if tag == names["function_tag"]:
             calls = parse_tool_calls(content, f"the {tag} turn {k}")
             message: Message = {"role": "assistant", "content": "", "tool_calls": calls}
@@ -324,7 +344,8 @@ def _sharegpt(row: dict, names: dict[str, str]) -> list[Message]:
     return messages
 
 
-def _openai(row: dict, names: dict[str, str]) -> list[Message]:
+def openai_messages(row: dict, names: dict[str, str]) -> list[Message]:
+    """An openai row's messages (``names["messages"]``): roles, content parts, tool calls, reasoning, loss weights."""
     messages: list[Message] = []
     for k, turn in enumerate(_turns(row, names)):
         role = turn.get(names["role_tag"])
@@ -386,7 +407,7 @@ def _parts(role: str, content: Any, k: int) -> Message:
 
 
 def _text(row: dict, names: dict[str, str]) -> list[Message]:
-    text = _string(row, names["text"])
+    text = string_field(row, names["text"])
     if not text.strip():
         raise RowError("empty text")
     return [{"role": "text", "content": text}]

@@ -47,16 +47,17 @@ def build_dataset(
     """The lazy Ray dataset of packs (or single examples) with a ``split`` column (train / eval).
 
     Args:
-        cfg: the job; ``cfg.data`` and ``cfg.model`` (for the tokenizer) are used.
+        cfg: the job; ``cfg.data``, ``cfg.model`` (for the tokenizer) and ``cfg.train.objective`` are used.
         side_dir: folder for the rejects and per-batch counts that workers write.
         spec: the tokenizer and template (loaded from ``cfg.model`` if not given).
         plan: from :func:`plan_sources` (computed if not given).
         eval_keys: exact ``(source, line)`` rows to hold out, for ``data.eval_count``.
     Returns:
         ``ray.data.Dataset`` with columns input_ids, labels, position_ids, seq_lens (list<int32>),
-        num_tokens (int32) and split (string).
+        num_tokens (int32) and split (string). Under a preference objective each pair is two consecutive sequences
+        of one pack, prompt + chosen answer then prompt + rejected answer, so every pack has an even count of them.
     """
-    plan = plan or plan_sources(cfg.data)
+    plan = plan or plan_sources(cfg.data, cfg.train.objective)
     (side_dir / "rejects").mkdir(parents=True, exist_ok=True)
     (side_dir / "counts").mkdir(parents=True, exist_ok=True)
     spec = spec or tokenizer_spec(load_tokenizer(cfg.model), cfg.data.template)
@@ -93,7 +94,7 @@ def stream(cfg: JobConfig, side_dir: Path) -> dict[str, Any]:
     Raises:
         DataError: bad sources (checked before anything runs).
     """
-    plan = plan_sources(cfg.data)
+    plan = plan_sources(cfg.data, cfg.train.objective)
     spec = tokenizer_spec(load_tokenizer(cfg.model), cfg.data.template)
     for stale in ("rejects", "counts"):
         shutil.rmtree(side_dir / stale, ignore_errors=True)
@@ -222,7 +223,7 @@ def prepare(cfg: JobConfig, log=print) -> dict[str, Any]:
             another running job reads that these settings would rewrite.
     """
     out = Path(cfg.data.output_dir).resolve()
-    plan = plan_sources(cfg.data)
+    plan = plan_sources(cfg.data, cfg.train.objective)
     spec = tokenizer_spec(load_tokenizer(cfg.model), cfg.data.template)
     fp = fingerprint(cfg, plan, spec)
     out.mkdir(parents=True, exist_ok=True)
@@ -297,7 +298,7 @@ def _prepare(cfg: JobConfig, out: Path, plan: dict, spec: TokenizerSpec, fp: dic
     with file_failures():
         counts = written.take_all()
     seconds = time.perf_counter() - start
-    summary = summarise(out, counts, cfg.data, seconds)
+    summary = summarise(out, counts, cfg.data, seconds, pairs=cfg.train.objective != "sft")
     manifest = {"fingerprint": fp, "summary": summary, "complete": True, "raylora": _version()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
@@ -361,9 +362,12 @@ def gather_side(out: Path) -> dict[str, Any]:
     }
 
 
-def summarise(out: Path, counts: list[dict[str, Any]], data: DataArgs, seconds: float) -> dict[str, Any]:
+def summarise(
+    out: Path, counts: list[dict[str, Any]], data: DataArgs, seconds: float, pairs: bool = False
+) -> dict[str, Any]:
     """The run's row counts (:func:`gather_side`) plus what the shards hold (``counts`` from
-    :func:`~raylora.data.transforms.write_shard`), packing efficiency and throughput."""
+    :func:`~raylora.data.transforms.write_shard`), packing efficiency and throughput; with ``pairs`` (preference
+    data, two examples a pair), the pairs too."""
     summary = gather_side(out)
     splits = {}
     for split in ("train", "eval"):
@@ -374,6 +378,10 @@ def summarise(out: Path, counts: list[dict[str, Any]], data: DataArgs, seconds: 
             "tokens": sum(c["tokens"] for c in mine),
             "shards": str(out / "shards" / f"split={split}"),
         }
+        if pairs:
+            splits[split]["pairs"] = splits[split]["examples"] // 2
+    if pairs:
+        summary["pairs"] = summary["examples"] // 2
     packs = splits["train"]["packs"] + splits["eval"]["packs"]
     tokens = splits["train"]["tokens"] + splits["eval"]["tokens"]
     return {
@@ -387,12 +395,15 @@ def summarise(out: Path, counts: list[dict[str, Any]], data: DataArgs, seconds: 
 
 
 def render_summary(s: dict[str, Any], out: Path) -> str:
+    def pairs(counts: dict[str, Any], text: str) -> str:
+        return text.format(counts["pairs"]) if "pairs" in counts else ""
+
     lines = [
         f"rows read {s['rows_read']}, kept {s['rows_kept']}, rejected {s['rows_rejected']} (see {out / 'rejects.jsonl'})",
         *[f"  rejected {n}: {reason}" for reason, n in s["reject_reasons"].items()],
-        f"examples {s['examples']} (after source weights); tokens {s['tokens']}",
+        f"examples {s['examples']} ({pairs(s, '{} pairs; ')}after source weights); tokens {s['tokens']}",
         *[
-            f"  {k}: {v['examples']} examples in {v['packs']} sequences, {v['tokens']} tokens -> {v['shards']}"
+            f"  {k}: {v['examples']} examples{pairs(v, ' ({} pairs)')} in {v['packs']} sequences, {v['tokens']} tokens -> {v['shards']}"
             for k, v in s["splits"].items()
         ],
         f"packing efficiency {s['packing_efficiency']:.1%} (real tokens / sequence slots)",

@@ -16,13 +16,14 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import (
     DEFAULT_COLUMNS,
     FORMATS,
+    PAIR_COLUMNS,
     PREFERENCE,
     Conversation,
     RowError,
     detect_format,
     is_preference,
-    to_conversation,
 )
+from raylora.data.preference import UNPAIRED, Pair, conversations, fits, is_unpaired, pair_format, read_row
 from raylora.data.read import expand, first_row, iter_raw
 from raylora.data.transforms import copies_of, split_draw
 
@@ -31,11 +32,22 @@ class DataError(ValueError):
     """The data cannot be prepared: bad sources, or too many rejected rows."""
 
 
-def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
-    """Per data file: its format (declared or detected from the first row), column names and weight.
+SUPERVISED = (
+    "a row with one answer (supervised fine-tuning data), but train.objective is {objective}, which needs a chosen "
+    "and a rejected answer per prompt: train.objective: sft fits this file"
+)
+
+
+def plan_sources(data: DataArgs, objective: str = "sft") -> dict[str, dict[str, Any]]:
+    """Per data file: its format (declared or detected from the first row), column names and weight, and
+    ``"pairs": True`` for a preference file (read by :func:`~raylora.data.preference.to_pair`).
 
     Every file is checked before the pipeline starts: a file that does not parse, whose first row is not the
-    declared format or is a preference row, or that two sources name, fails here, naming the file and line.
+    declared format or does not fit ``objective`` (a preference row under ``sft``, a row with one answer or KTO's
+    unpaired row under a preference objective), or that two sources name, fails here, naming the file and line.
+    Args:
+        data: the job's data settings.
+        objective: ``train.objective``: ``sft``, or a preference objective (``dpo``, ``simpo``, ``orpo``).
     Raises:
         DataError: listing every problem found.
     """
@@ -44,6 +56,12 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
     plan: dict[str, dict[str, Any]] = {}
     owner: dict[str, int] = {}  # file -> the source that named it first
     problems = []
+    preference = objective != "sft"
+    if preference and data.train_on_prompt:
+        problems.append(
+            f"data.train_on_prompt: train.objective: {objective} compares the answers after a prompt both share; "
+            "the prompt is never learned, so set data.train_on_prompt: false"
+        )
     registry = None
     if any(source.name is not None for source in data.sources):
         try:
@@ -62,11 +80,8 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
                 continue
             path, columns = entry["path"], {**entry["columns"], **source.columns}
             fmt_declared = entry["format"] if source.format == "auto" else source.format
-        valid = (
-            {name for fmt in FORMATS for name in DEFAULT_COLUMNS[fmt]}
-            if fmt_declared == "auto"
-            else set(DEFAULT_COLUMNS[fmt_declared])
-        )
+        formats = FORMATS if fmt_declared == "auto" else (fmt_declared,)
+        valid = {*PAIR_COLUMNS, *(name for fmt in formats for name in DEFAULT_COLUMNS[fmt])}
         unknown = sorted(set(columns) - valid)
         if unknown:
             problems.append(
@@ -90,10 +105,16 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
             except ValueError as e:
                 problems.append(str(e))
                 continue
-            if is_preference(row, columns):
-                problems.append(f"{path}:{line}: {PREFERENCE}")
+            pairs = is_preference(row, columns)
+            if preference and is_unpaired(row):
+                problems.append(f"{path}:{line}: {UNPAIRED}")
                 continue
-            detected = detect_format(row)
+            if pairs != preference:
+                problems.append(
+                    f"{path}:{line}: {SUPERVISED.format(objective=objective) if preference else PREFERENCE}"
+                )
+                continue
+            detected = pair_format(row) if pairs else detect_format(row)
             fmt = detected if fmt_declared == "auto" else fmt_declared
             if fmt is None:
                 keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
@@ -103,34 +124,49 @@ def plan_sources(data: DataArgs) -> dict[str, dict[str, Any]]:
                 continue
             expected = DEFAULT_COLUMNS[fmt]
             main = {**expected, **columns}[next(iter(expected))]
-            if fmt_declared != "auto" and isinstance(row, dict) and main not in row:
+            if (
+                fmt_declared != "auto"
+                and isinstance(row, dict)
+                and not (fits(row, fmt, columns) if pairs else main in row)
+            ):
                 problems.append(
-                    f"{path}:{line}: is not {fmt} data: the first row has keys {', '.join(row)}, "
-                    f"not {main!r} (map names with data.sources[{k}].columns)"
+                    f"{path}:{line}: is not {fmt} {'preference ' * pairs}data: the first row has keys "
+                    f"{', '.join(row)}, not {main!r} (map names with data.sources[{k}].columns)"
                 )
                 continue
             plan[path] = {"format": fmt, "columns": columns, "weight": source.weight}
+            if pairs:
+                plan[path]["pairs"] = True
     if problems:
         raise DataError("data problems:\n  - " + "\n  - ".join(problems))
     return plan
 
 
-def sample_conversations(data: DataArgs, n: int, skip: int = 0) -> list[Conversation]:
-    """The first valid conversations of ``data.sources`` in file order, after ``skip`` of them (calibration, evaluation).
+def conversation_of(row: Any, how: dict[str, Any], data: DataArgs) -> Conversation:
+    """One parsed row as a conversation: its own, or a preference pair's prompt and chosen answer (what evaluation
+    compares answers with, and what calibration renders).
+
+    Raises:
+        RowError: the row cannot be used; the message says why.
+    """
+    item = read_row(row, how, data)
+    return conversations(item)[0] if isinstance(item, Pair) else item
+
+
+def sample_conversations(data: DataArgs, n: int, skip: int = 0, objective: str = "sft") -> list[Conversation]:
+    """The first valid conversations of ``data.sources`` in file order, after ``skip`` of them (calibration, evaluation);
+    of preference data (``objective`` other than ``sft``), each pair's prompt and chosen answer.
 
     Rows that do not parse are passed over; :func:`prepare` is where they are counted and written aside.
     """
     out: list[Conversation] = []
-    for path, how in plan_sources(data).items():
+    for path, how in plan_sources(data, objective).items():
         with open(path, "rb") as f:
             for _, raw, error in iter_raw(f, path):
                 if error is not None:
                     continue
                 try:
-                    conversation = to_conversation(
-                        json.loads(raw), how["format"], how["columns"], data.placeholders,
-                        data.mask_history, data.drop_reasoning,
-                    )  # fmt: skip
+                    conversation = conversation_of(json.loads(raw), how, data)
                 except (RowError, ValueError):
                     continue
                 if skip:
@@ -142,30 +178,32 @@ def sample_conversations(data: DataArgs, n: int, skip: int = 0) -> list[Conversa
     return out
 
 
-def sample_token_ids(data: DataArgs, tokenizer, n: int, skip: int = 0) -> list[list[int]]:
+def sample_token_ids(data: DataArgs, tokenizer, n: int, skip: int = 0, objective: str = "sft") -> list[list[int]]:
     """Token ids of :func:`sample_conversations` rendered with ``data.template`` (calibration, perplexity)."""
     encoder = Encoder(tokenizer_spec(tokenizer, data.template), data.cutoff_len, "tail", False)
-    texts = [encoder.text(c) for c in sample_conversations(data, n, skip)]
+    texts = [encoder.text(c) for c in sample_conversations(data, n, skip, objective)]
     return [tokenizer(t, add_special_tokens=False).input_ids[: data.cutoff_len] for t in texts]
 
 
-def held_out_conversations(data: DataArgs) -> list[Conversation]:
-    """The rows ``raylora prepare`` puts in the eval split, as conversations, in file order.
+def held_out_conversations(data: DataArgs, objective: str = "sft") -> list[Conversation]:
+    """The rows ``raylora prepare`` puts in the eval split, as conversations (:func:`conversation_of`), in file order.
 
     Rows that do not parse are left out (``prepare`` rejects them). Returns an empty list without an eval split.
     """
-    return [row for _, _, row in read_conversations(data, held_out=True) if isinstance(row, Conversation)]
+    return [row for _, _, row in read_conversations(data, True, objective) if isinstance(row, Conversation)]
 
 
-def read_conversations(data: DataArgs, held_out: bool) -> list[tuple[str, int, Conversation | str]]:
-    """Every row of ``data.sources`` (or only the eval split's) as ``(file, line, conversation)``, in file order; a
-    row that cannot be read has the reason in place of its conversation.
+def read_conversations(
+    data: DataArgs, held_out: bool, objective: str = "sft"
+) -> list[tuple[str, int, Conversation | str]]:
+    """Every row of ``data.sources`` (or only the eval split's) as ``(file, line, conversation)``
+    (:func:`conversation_of`), in file order; a row that cannot be read has the reason in place of its conversation.
 
     The eval split follows the pipeline's rule: a row is held out when its seeded hash of ``(file name, line)`` falls
     under ``data.eval_fraction``, or, with ``data.eval_count``, when it is among the rows with the smallest hashes; and
     of a source weighted below 1 only the rows its weight keeps (:func:`~raylora.data.transforms.copies_of`) are in it, once each.
     """
-    plan = plan_sources(data)
+    plan = plan_sources(data, objective)
     rows = []
     for path in sorted(plan):
         with open(path, "rb") as f:
@@ -185,10 +223,8 @@ def read_conversations(data: DataArgs, held_out: bool) -> list[tuple[str, int, C
         if error is not None:
             out.append((path, line, error))
             continue
-        how = plan[path]
         try:
-            out.append((path, line, to_conversation(json.loads(raw), how["format"], how["columns"], data.placeholders,
-                                                    data.mask_history, data.drop_reasoning)))  # fmt: skip
+            out.append((path, line, conversation_of(json.loads(raw), plan[path], data)))
         except (RowError, ValueError) as e:
             out.append((path, line, str(e)))
     return out

@@ -23,8 +23,10 @@ import pyarrow.parquet as pq
 
 from raylora.config import DataArgs, from_dict, to_dict
 from raylora.data.encode import IGNORE_INDEX, Encoder, TokenizerSpec
-from raylora.data.formats import RowError, to_conversation
+from raylora.data.formats import RowError
 from raylora.data.packing import pack_lengths
+from raylora.data.pairs import encode_pairs
+from raylora.data.preference import read_row
 
 
 @functools.lru_cache(maxsize=4)
@@ -67,7 +69,11 @@ def unit_hash(*parts: Any) -> float:
 
 
 def encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_keys: frozenset | None) -> pa.Table:
-    """Raw rows → encoded examples (repeated by weight, assigned to a split); rejects go to ``side_dir``."""
+    """Raw rows → encoded examples (repeated by weight, assigned to a split); rejects go to ``side_dir``.
+
+    A preference file's example is a pair: its chosen conversation then its rejected one, their lengths in a
+    ``seq_lens`` column (:func:`~raylora.data.pairs.encode_pairs`), packed as one (:func:`pack_batch`).
+    """
     with gc_paused():
         return _encode_batch(batch, spec, plan, side_dir, eval_keys)
 
@@ -91,27 +97,26 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
     data, encoder = _encoder(spec)
     rows = batch.to_pylist()
     rejects: list[dict] = []
-    kept, conversations = [], []
+    kept, items = [], []
     for r in rows:
         if r["error"]:
             rejects.append({**r, "reason": r.pop("error")})
             continue
-        source = plan[r["source"]]
         try:
             row = json.loads(r["raw"])
         except json.JSONDecodeError as e:
             rejects.append({**r, "reason": f"not valid JSON ({e.msg})"})
             continue
         try:
-            conversations.append(
-                to_conversation(
-                    row, source["format"], source["columns"], data.placeholders, data.mask_history, data.drop_reasoning
-                )
-            )
+            items.append(read_row(row, plan[r["source"]], data))
             kept.append(r)
         except RowError as e:
             rejects.append({**r, "reason": str(e)})
-    encoded = encoder.encode_arrays(conversations)
+    pairs = any(how.get("pairs") for how in plan.values())  # plan_sources plans pairs for every file or for none
+    if pairs:
+        encoded, seq_lens = encode_pairs(encoder, items)
+    else:
+        encoded = encoder.encode_arrays(items)
     take: list[int] = []
     split: list[str] = []
     for j, (r, error) in enumerate(zip(kept, encoded.errors, strict=True)):
@@ -127,17 +132,20 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
         take += [j] * copies
         split += [row_split] * copies
     name = _batch_name(rows)
-    _write_side(Path(side_dir), name, rows, rejects, len(take))
+    _write_side(Path(side_dir), name, rows, rejects, len(take) * (2 if pairs else 1))
     offsets = pa.array(encoded.offsets, pa.int32())
     indices = pa.array(take, pa.int64())
-    return pa.table(
-        {
-            "input_ids": pa.ListArray.from_arrays(offsets, encoded.input_ids).take(indices),
-            "labels": pa.ListArray.from_arrays(offsets, encoded.labels).take(indices),
-            "split": pa.array(split, pa.string()),
-            "origin": pa.array([name] * len(take), pa.string()),
-        }
-    )
+    columns = {
+        "input_ids": pa.ListArray.from_arrays(offsets, encoded.input_ids).take(indices),
+        "labels": pa.ListArray.from_arrays(offsets, encoded.labels).take(indices),
+        "split": pa.array(split, pa.string()),
+        "origin": pa.array([name] * len(take), pa.string()),
+    }
+    if pairs:
+        two_each = pa.array(np.arange(0, 2 * len(items) + 1, 2), pa.int32())
+        pair_lens = pa.ListArray.from_arrays(two_each, pa.array(seq_lens.ravel(), pa.int32()))
+        columns["seq_lens"] = pair_lens.take(indices)
+    return pa.table(columns)
 
 
 def _batch_name(rows: list[dict]) -> str:
@@ -169,8 +177,10 @@ def _write_side(side_dir: Path, name: str, rows: list[dict], rejects: list[dict]
 def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
     """Encoded examples → packs of at most ``cutoff_len`` tokens, train and eval packed apart.
 
-    Vectorised with Arrow and numpy: a pack's tokens are its examples' token lists taken in bin order
-    and flattened; position ids restart and the first label is ignored at every example start.
+    An example is one sequence, or, when the batch has a ``seq_lens`` column, the sequences it lists (a preference
+    pair: chosen, then rejected), which stay together and in order in one pack. Vectorised with Arrow and numpy: a
+    pack's tokens are its examples' token lists taken in bin order and flattened; position ids restart and the first
+    label is ignored at every sequence start.
     """
     ids = batch.column("input_ids").combine_chunks()
     lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -186,13 +196,20 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
             bins.append(len(group))
             pack_split.append(split)
     take = pa.array(order, pa.int64())
-    seq_lens = lengths[order]
+    example_lens = lengths[order]
+    example_offsets = np.concatenate([[0], np.cumsum(bins)]).astype(np.int64)
+    if "seq_lens" in batch.column_names:
+        parts = pc.take(batch.column("seq_lens").combine_chunks(), take)
+        seq_lens = parts.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+        per_example = pc.list_value_length(parts).to_numpy(zero_copy_only=False).astype(np.int64)
+        seq_offsets = np.concatenate([[0], np.cumsum(per_example)])[example_offsets]
+    else:
+        seq_lens, seq_offsets = example_lens, example_offsets
     starts = np.cumsum(seq_lens) - seq_lens
     positions = np.arange(int(seq_lens.sum()), dtype=np.int64) - np.repeat(starts, seq_lens)
     labels = pc.take(batch.column("labels").combine_chunks(), take).flatten().to_numpy(zero_copy_only=False).copy()
     labels[starts[seq_lens > 0]] = IGNORE_INDEX
-    example_offsets = np.concatenate([[0], np.cumsum(bins)]).astype(np.int32)
-    token_offsets = np.concatenate([[0], np.cumsum(seq_lens)])[example_offsets].astype(np.int32)
+    token_offsets = np.concatenate([[0], np.cumsum(example_lens)])[example_offsets]
 
     def lists(values: Any, offsets: np.ndarray) -> pa.ListArray:
         return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int32()))
@@ -202,7 +219,7 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
             "input_ids": lists(pc.take(ids, take).flatten(), token_offsets),
             "labels": lists(labels, token_offsets),
             "position_ids": lists(positions, token_offsets),
-            "seq_lens": lists(seq_lens, example_offsets),
+            "seq_lens": lists(seq_lens, seq_offsets),
             "num_tokens": pa.array(np.diff(token_offsets), pa.int32()),
             "split": pa.array(pack_split, pa.string()),
             "origin": pc.take(batch.column("origin").combine_chunks(), take.take(pa.array(example_offsets[:-1]))),

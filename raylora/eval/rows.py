@@ -61,7 +61,10 @@ def eval_rows(cfg: JobConfig, tokenizer, max_context: int) -> tuple[list[EvalRow
     encoder = Encoder(tokenizer_spec(tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
     rows: list[EvalRow] = []
     rejects: list[dict[str, Any]] = []
-    for path, line, conversation in read_conversations(data, held_out=held_out):
+    # the held-out split is of the job's kind (a preference pair: its prompt, the chosen answer the reference); an
+    # eval set of its own is read as conversations
+    objective = cfg.train.objective if held_out else "sft"
+    for path, line, conversation in read_conversations(data, held_out, objective):
         if cfg.eval.max_rows is not None and len(rows) == cfg.eval.max_rows:
             break
         source = Path(path).name

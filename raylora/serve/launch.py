@@ -46,7 +46,7 @@ def check_serve(cfg: JobConfig) -> list[str]:
             )
         else:
             try:
-                plan_sources(cfg.data)
+                plan_sources(cfg.data, cfg.train.objective)
             except DataError as e:
                 problems.append(f"serve.quantization=w8a8-smoothquant calibrates on data.sources, which has {e}")
     root = Path(cfg.serve.adapter_root)

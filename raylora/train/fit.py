@@ -166,7 +166,8 @@ def check_before_data(cfg: JobConfig) -> JobConfig:
     resume = newest_checkpoint(Path(cfg.train.output_dir).resolve())
     checks = {
         "backend.device": lambda: check_hook(cfg.train, planned_backend(cfg.backend)),  # a missing device or hook
-        "data.sources": lambda: plan_sources(cfg.data),  # a mistyped path fails in a second, not after a cluster starts
+        # a mistyped path, or data of another objective: fails in a second, not after a cluster starts
+        "data.sources": lambda: plan_sources(cfg.data, cfg.train.objective),
         "model": lambda: target_modules(model_skeleton(cfg.model), cfg.lora.target_modules),  # a model or layer name
         # a checkpoint of another model or LoRA shape: here, not in every restart of the workers
         "train.output_dir": lambda: resume is not None and check_compatible(resume, cfg),

@@ -46,7 +46,7 @@ def run_quickstart(cfg: JobConfig, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     backend = resolve_backend(cfg.backend)
     torch.manual_seed(cfg.train.seed)
-    plan = plan_sources(cfg.data)
+    plan = plan_sources(cfg.data, cfg.train.objective)
     model, tokenizer = load_model(cfg.model)
     packs, counts = load_packs(cfg, plan, worker_spec(cfg.data, tokenizer_spec(tokenizer, cfg.data.template)), out)
     log(

@@ -94,7 +94,8 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
             [("data.streaming", "a sweep prepares its data once for every trial; set data.streaming=false")],
             "the sweep",
         )
-    plan_sources(cfg.data)  # a mistyped data path fails in a second, not after a cluster has started
+    # a mistyped data path, or data of another objective: fails in a second, not after a cluster has started
+    plan_sources(cfg.data, cfg.train.objective)
     if cfg.tracking.enabled:
         check_reachable(tracking_uri(cfg.tracking))
         if resume:

@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
@@ -245,3 +246,54 @@ def test_prepare_reads_the_registry_samples_and_rejects_bad_tool_rows_by_file_an
     assert sum(t.count("# Tools\n") for t in texts) == 4 + 2 + 1 + 1  # every row with tools shows their schemas
     calls = 4 + 2 + 1 + 1  # glaive, openai, v1, reasoning; each tools block adds one in its format hint
     assert sum(t.count('<tool_call>\n{"name"') for t in texts) == calls + 8
+
+
+def test_prepare_writes_each_pair_as_two_sequences_of_one_pack(tmp_path):
+    """Under a preference objective a pair is prompt + chosen answer, then prompt + rejected answer, in one pack; the
+    eval split holds whole pairs; a bad pair is a reject like any row."""
+    rows = [
+        {"conversations": [{"from": "human", "value": f"Question {i}?"}],
+         "chosen": {"from": "gpt", "value": f"Answer {i}, from {{{{name}}}}."},
+         "rejected": {"from": "gpt", "value": f"No answer {i}."}}
+        for i in range(40)
+    ]  # fmt: skip
+    rows[6]["rejected"] = rows[6]["chosen"]
+    rows[9] = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}], "kto_tag": True}
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(
+        None,
+        [f"data.sources=[{{path: {tmp_path}/pairs.jsonl}}]", "data.placeholders.name=Ray", "data.cutoff_len=256",
+         "data.eval_fraction=0.2", f"data.output_dir={tmp_path}/out", "model.name_or_path=tiny-llama",
+         "train.objective=dpo", "data.max_reject_fraction=0.1"],
+    )  # fmt: skip
+    summary = prepare(cfg, log=lambda s: None)
+    assert (summary["rows_read"], summary["rows_rejected"], summary["rows_kept"]) == (40, 2, 38)
+    assert (summary["pairs"], summary["examples"]) == (38, 76)
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert {r["line"]: r["reason"].split(" (")[0] for r in rejects} == {
+        7: "the chosen and rejected answers are identical",
+        10: "an unpaired preference row",
+    }
+    tok = tiny_tokenizer()
+    seen = {}
+    for split in ("train", "eval"):
+        packs = shards(tmp_path / "out", split)
+        assert sum(len(p["seq_lens"]) for p in packs) == 2 * summary["splits"][split]["pairs"]
+        for pack in packs:
+            assert len(pack["seq_lens"]) % 2 == 0 and sum(pack["seq_lens"]) == pack["num_tokens"] <= 256
+            start = 0
+            for n in pack["seq_lens"]:
+                assert pack["position_ids"][start : start + n] == list(range(n))
+                start += n
+            ends = np.cumsum([0, *pack["seq_lens"]])
+            for a, b, c in zip(ends[0:-1:2], ends[1::2], ends[2::2], strict=True):
+                chosen, rejected = tok.decode(pack["input_ids"][a:b]), tok.decode(pack["input_ids"][b:c])
+                i = int(chosen.split("Question ")[1].split("?")[0])
+                prompt = f"<|im_start|>user\nQuestion {i}?<|im_end|>\n<|im_start|>assistant\n"
+                assert chosen == prompt + f"Answer {i}, from Ray.<|im_end|>\n"
+                assert rejected == prompt + f"No answer {i}.<|im_end|>\n"
+                learned = [t for t, lab in zip(pack["input_ids"][b:c], pack["labels"][b:c], strict=True) if lab >= 0]
+                assert tok.decode(learned) == f"No answer {i}.<|im_end|>\n"
+                seen[i] = split
+    assert sorted(seen) == sorted(set(range(40)) - {6, 9})
+    assert 0 < list(seen.values()).count("eval") == summary["splits"]["eval"]["pairs"] < 19

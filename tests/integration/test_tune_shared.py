@@ -97,9 +97,8 @@ def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_pa
            "tune.search=grid", "tune.num_samples=1", "tune.scheduler=none", "tune.trials_per_group=2",
            "tune.max_concurrent=2", "train.max_steps=30", "train.cpus_per_worker=2", "tune.metric=exact_match",
            "tune.mode=max", "eval.keys=[Raylora Assistant]", "eval.max_tokens=16"]  # fmt: skip
-    driver = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
     trials = tmp_path / "sweep" / "trials"
 
     def ended() -> int:
@@ -115,7 +114,8 @@ def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_pa
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
         stop_cluster(ray_tmp)
-    assert len(joined) == 3 and ended() >= 2, "the first two trials never ended while the third trained"
+    said = (tmp_path / "driver.err").read_text()[-3000:]
+    assert len(joined) == 3 and ended() >= 2, f"the first two trials never ended while the third trained: {said}"
     resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
     stop_cluster(ray_tmp)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
