@@ -358,8 +358,8 @@ class Engine:
             if constraint is not None and constraint.done:  # complete: nothing may follow, not even the end token
                 reason = "stop"
         if reason is not None:
-            # The stream holds back a character whose bytes are incomplete; the answer ends with it as decode() has it.
-            piece = self.tokenizer.decode(seq.ids, skip_special_tokens=True)[len(seq.text) :]
+            # The answer ends as decode() has it, less a character cut short (answer_text)
+            piece = answer_text(self.tokenizer, seq.ids)[len(seq.text) :]
         if piece:
             # A stop string first seen now ends in the new piece: search only the tail it can start in.
             start = max(0, len(seq.text) - max((len(s) for s in stops), default=1) + 1)
@@ -416,6 +416,17 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def answer_text(tokenizer, ids: list[int]) -> str:
+    """Generated ``ids`` as text: ``decode()``, less the bytes of a last character cut short (by ``max_tokens``):
+    decode() shows them as U+FFFD, an incremental decoder holds them back, and vLLM's drops them too."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if not text.endswith("\ufffd"):
+        return text
+    stream = DecodeStream(skip_special_tokens=True)
+    held = [stream.step(tokenizer._tokenizer, token) for token in ids][-1] is None
+    return text.rstrip("\ufffd") if held else text
 
 
 def wait_for(engine: Engine, req: GenRequest, timeout_s: float = 600) -> Event:

@@ -25,6 +25,7 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation, parse_tool_calls
 from raylora.eval.metrics import means, score_row
 from raylora.eval.run import evaluate
+from raylora.generation import answer_text
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 from raylora.ports import free_port
@@ -94,7 +95,7 @@ def _reference(adapter_dir, messages, max_tokens: int, tools: list | None = None
     text = encoder.render(view, add_generation_prompt=True, tools=tools)
     ids = tok(text, add_special_tokens=False).input_ids
     out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return tok.decode(out[0, len(ids) :], skip_special_tokens=True), len(ids)
+    return answer_text(tok, out[0, len(ids) :].tolist()), len(ids)
 
 
 def _post(server, path, body, key=KEY, **kw):

@@ -19,7 +19,7 @@ import torch
 from peft import PeftModel
 
 from raylora.config import ModelArgs, load_config, to_dict
-from raylora.generation import GenRequest, wait_for
+from raylora.generation import GenRequest, answer_text, wait_for
 from raylora.model_files import HUB_IDS, SMOLLM2, model_folder
 from raylora.models import load_model, tiny_model
 from raylora.serve.replica import LLMServer
@@ -330,4 +330,4 @@ def test_a_smollm2_adapter_names_its_hub_base_and_serves_offline_after_the_cache
     base, _ = load_model(ModelArgs(name_or_path=HUB_IDS[SMOLLM2], cache_dir=str(moved)))
     peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
     out = peft_model.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    assert served.text == server.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert served.text == answer_text(server.tokenizer, out[0, len(ids) :].tolist())

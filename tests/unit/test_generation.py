@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from raylora.generation import Engine, Event, GenRequest, wait_for
+from raylora.generation import Engine, Event, GenRequest, answer_text, wait_for
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 
@@ -19,9 +19,11 @@ def _ids(text: str) -> list[int]:
 
 
 def _generate(model, text: str, n: int) -> str:
+    """``generate``'s greedy answer as the engine sends it: decode(), less a last character whose bytes were cut
+    short (the engine holds them back; decode() shows them as U+FFFD)."""
     ids = _ids(text)
     out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return TOK.decode(out[0, len(ids) :], skip_special_tokens=True)
+    return answer_text(TOK, out[0, len(ids) :].tolist())
 
 
 @pytest.fixture
@@ -264,3 +266,13 @@ def test_a_new_short_prompt_is_not_kept_waiting_behind_a_long_prefill():
     assert done.wait(60)
     engine.stop()
     assert progress[0] < len(long.req.prompt_ids) / 2  # answered long before the long prompt was prefilled
+
+
+def test_an_answer_cut_inside_a_multi_byte_character_holds_its_incomplete_bytes_back(engine, monkeypatch):
+    # the byte-level tiny tokenizer: "a" is one token, "é" two (its two UTF-8 bytes); five tokens end after the first
+    # byte of the second "é", which decode() would show as U+FFFD
+    script = iter(_ids("aéaé"))
+    monkeypatch.setattr(engine, "_sample", lambda logits, seqs: torch.tensor([[next(script)] for _ in seqs]))
+    engine.eos_ids = set()
+    out = wait_for(engine, GenRequest(_ids("abc"), max_tokens=5, temperature=0))  # the text of every event joined
+    assert out.text == "aéa" and out.finish_reason == "length" and out.completion_tokens == 5

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from raylora.config import from_dict, to_dict
-from raylora.generation import GenRequest, wait_for
+from raylora.generation import GenRequest, answer_text, wait_for
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 from raylora.serve.protocol import ApiError
@@ -55,7 +55,7 @@ def replica(tmp_path_factory):
         model = tiny_model("llama").eval()
         model = PeftModel.from_pretrained(model, str(root / name)).eval() if name else model
         out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-        expected[name] = TOK.decode(out[0, len(ids) :], skip_special_tokens=True)
+        expected[name] = answer_text(TOK, out[0, len(ids) :].tolist())
     assert len(set(expected.values())) == 4
     yield server, ids, expected
     server.engine.stop()
