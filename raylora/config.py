@@ -28,7 +28,7 @@ def _f(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, **
 
 
 # The metrics `raylora eval` computes (raylora.eval.metrics), in the order reports show them.
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo")  # train.objective: supervised, or a preference objective
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")  # train.objective: supervised, or a preference objective
 # what a preference objective's evaluations report beside eval_loss (raylora.train.preference.STATS), to sweep on
 PREFERENCE_METRICS = ("eval_rewards/accuracies", "eval_rewards/margins")
 METRICS = ("exact_match", "contains", "rouge-1", "rouge-2", "rouge-l", "bleu-4", "tool_name", "tool_args",
@@ -178,7 +178,8 @@ class TrainArgs:
     objective: str = _f(
         "sft",
         help="what the adapter learns: sft (the answers), or a preference objective on chosen / rejected answers: "
-        "dpo (against the base with the adapter off), simpo or orpo (no reference); settings in preference.*",
+        "dpo (against the base with the adapter off), simpo or orpo (no reference), or kto on answers labelled "
+        "desirable or not (against the base); settings in preference.*",
         choices=OBJECTIVES,
     )
 
@@ -186,8 +187,8 @@ class TrainArgs:
 @dataclass
 class PreferenceArgs:
     beta: float = _f(
-        0.1, help="dpo: strength of the pull away from the reference; simpo: reward scale (SimPO's paper: 2-2.5); "
-        "orpo: weight of the odds-ratio term (ORPO's lambda)", gt=0,
+        0.1, help="dpo and kto: strength of the pull away from the reference; simpo: reward scale (SimPO's paper: "
+        "2-2.5); orpo: weight of the odds-ratio term (ORPO's lambda)", gt=0,
     )  # fmt: skip
     loss_type: str = _f(
         "sigmoid", help="dpo's loss: sigmoid (DPO) or ipo (squared, on length-averaged log-probabilities)",
@@ -198,6 +199,11 @@ class PreferenceArgs:
         min=0.0, lt=0.5,
     )  # fmt: skip
     gamma: float = _f(0.5, help="simpo: target reward margin over beta (TRL's simpo_gamma)", min=0.0)
+    desirable_weight: float = _f(
+        1.0, help="kto: weight of the desirable answers' losses (KTO's paper: keep desirable_weight x their count "
+        "over undesirable_weight x theirs in [1, 4/3])", gt=0,
+    )  # fmt: skip
+    undesirable_weight: float = _f(1.0, help="kto: weight of the undesirable answers' losses", gt=0)
 
 
 @dataclass

@@ -99,19 +99,16 @@ def resolve(registry: dict[str, Any], path: str, name: str) -> dict[str, Any]:
     bad = [c for c in columns if c in REFUSED_COLUMNS]
     if bad:
         raise RegistryError(f"{where} has {', '.join(bad)} columns; raylora trains on text conversations only")
-    if "kto_tag" in columns:
-        raise RegistryError(
-            f"{where} has a kto_tag column: KTO's unpaired rows; raylora trains the paired objectives dpo, simpo and "
-            "orpo (a chosen and a rejected answer per prompt); KTO is not built yet"
-        )
     ranked = {k: v for k, v in columns.items() if k in RANKING_COLUMNS}
     if ranked and not entry.get("ranking"):
         raise RegistryError(
             f"{where} has {', '.join(ranked)} columns but not ranking: true (LLaMA-Factory reads them only then)"
         )
-    rest = {k: v for k, v in columns.items() if k not in RANKING_COLUMNS}
+    tagged = {k: v for k, v in columns.items() if k == "kto_tag"}  # KTO's label field (train.objective: kto)
+    rest = {k: v for k, v in columns.items() if k not in RANKING_COLUMNS and k not in tagged}
     fmt, ours = _translate(entry.get("formatting", "alpaca"), rest, tags, where, bool(entry.get("ranking")))
-    return {"path": str(Path(path).resolve().parent / entry["file_name"]), "format": fmt, "columns": {**ours, **ranked}}
+    path = str(Path(path).resolve().parent / entry["file_name"])
+    return {"path": path, "format": fmt, "columns": {**ours, **ranked, **tagged}}
 
 
 def _translate(formatting: str, columns: dict, tags: dict, where: str, ranking: bool) -> tuple[str, dict[str, str]]:

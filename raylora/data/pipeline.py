@@ -298,7 +298,8 @@ def _prepare(cfg: JobConfig, out: Path, plan: dict, spec: TokenizerSpec, fp: dic
     with file_failures():
         counts = written.take_all()
     seconds = time.perf_counter() - start
-    summary = summarise(out, counts, cfg.data, seconds, pairs=cfg.train.objective != "sft")
+    unit = {"sft": None, "kto": "answers"}.get(cfg.train.objective, "pairs")
+    summary = summarise(out, counts, cfg.data, seconds, unit)
     manifest = {"fingerprint": fp, "summary": summary, "complete": True, "raylora": _version()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
@@ -363,11 +364,11 @@ def gather_side(out: Path) -> dict[str, Any]:
 
 
 def summarise(
-    out: Path, counts: list[dict[str, Any]], data: DataArgs, seconds: float, pairs: bool = False
+    out: Path, counts: list[dict[str, Any]], data: DataArgs, seconds: float, unit: str | None = None
 ) -> dict[str, Any]:
     """The run's row counts (:func:`gather_side`) plus what the shards hold (``counts`` from
-    :func:`~raylora.data.transforms.write_shard`), packing efficiency and throughput; with ``pairs`` (preference
-    data, two examples a pair), the pairs too."""
+    :func:`~raylora.data.transforms.write_shard`), packing efficiency and throughput; with ``unit`` (preference
+    data, two examples a unit: ``pairs``, or KTO's ``answers``), the units too, under that name."""
     summary = gather_side(out)
     splits = {}
     for split in ("train", "eval"):
@@ -378,10 +379,10 @@ def summarise(
             "tokens": sum(c["tokens"] for c in mine),
             "shards": str(out / "shards" / f"split={split}"),
         }
-        if pairs:
-            splits[split]["pairs"] = splits[split]["examples"] // 2
-    if pairs:
-        summary["pairs"] = summary["examples"] // 2
+        if unit:
+            splits[split][unit] = splits[split]["examples"] // 2
+    if unit:
+        summary[unit] = summary["examples"] // 2
     packs = splits["train"]["packs"] + splits["eval"]["packs"]
     tokens = splits["train"]["tokens"] + splits["eval"]["tokens"]
     return {
@@ -396,14 +397,15 @@ def summarise(
 
 def render_summary(s: dict[str, Any], out: Path) -> str:
     def pairs(counts: dict[str, Any], text: str) -> str:
-        return text.format(counts["pairs"]) if "pairs" in counts else ""
+        unit = next((name for name in ("pairs", "answers") if name in counts), None)
+        return text.format(counts[unit], unit) if unit else ""
 
     lines = [
         f"rows read {s['rows_read']}, kept {s['rows_kept']}, rejected {s['rows_rejected']} (see {out / 'rejects.jsonl'})",
         *[f"  rejected {n}: {reason}" for reason, n in s["reject_reasons"].items()],
-        f"examples {s['examples']} ({pairs(s, '{} pairs; ')}after source weights); tokens {s['tokens']}",
+        f"examples {s['examples']} ({pairs(s, '{} {}; ')}after source weights); tokens {s['tokens']}",
         *[
-            f"  {k}: {v['examples']} examples{pairs(v, ' ({} pairs)')} in {v['packs']} sequences, {v['tokens']} tokens -> {v['shards']}"
+            f"  {k}: {v['examples']} examples{pairs(v, ' ({} {})')} in {v['packs']} sequences, {v['tokens']} tokens -> {v['shards']}"
             for k, v in s["splits"].items()
         ],
         f"packing efficiency {s['packing_efficiency']:.1%} (real tokens / sequence slots)",

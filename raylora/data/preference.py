@@ -1,4 +1,5 @@
-"""Preference rows normalised to pairs: one prompt, a chosen and a rejected answer (DPO, SimPO, ORPO).
+"""Preference rows normalised to pairs: one prompt, a chosen and a rejected answer (DPO, SimPO, ORPO); and KTO's
+unpaired rows: one prompt, one answer and whether it is desirable.
 
 Each row is read by its keys, in the shapes their tools write:
 
@@ -10,6 +11,10 @@ Each row is read by its keys, in the shapes their tools write:
   lists, or ``chosen`` / ``rejected`` lists alone, the prompt being the turns they share (TRL's implicit prompt);
 - OpenAI's preference fine-tuning: ``input`` (``messages``, ``tools``), ``preferred_output``,
   ``non_preferred_output``.
+
+KTO's rows are LLaMA-Factory's alpaca, sharegpt or openai rows with a boolean ``kto_tag`` (the name
+``columns.kto_tag`` maps), or TRL's unpaired rows: ``prompt`` / ``completion`` (strings, or message lists) and a boolean
+``label``; the answer is what follows the last user turn.
 
 Tools, tool calls and reasoning parts are read as :mod:`raylora.data.formats` reads them for one answer. In a
 pair the prompt is never learned and the answers' assistant turns always are, whatever their ``loss_weight``:
@@ -39,9 +44,15 @@ from raylora.data.formats import (
 )
 
 UNPAIRED = (
-    "an unpaired preference row (one answer with a true / false label or kto_tag, KTO's data): raylora trains the "
-    "paired objectives dpo, simpo and orpo, on a chosen and a rejected answer per prompt; KTO is not built yet"
+    "an unpaired preference row (one answer with a true / false label or kto_tag, KTO's data): train.objective: kto "
+    "fits this file"
 )
+UNLABELLED = (
+    "a row without a true / false label, but train.objective is kto, which learns from answers labelled desirable or "
+    "not: give each row a boolean kto_tag (LLaMA-Factory; columns.kto_tag names another field) or label (TRL); "
+    "a chosen / rejected pair trains with train.objective: dpo"
+)
+KTO_COLUMNS = {"kto_tag": "kto_tag"}
 NOT_SHARED = "the chosen and rejected conversations differ before the assistant's answer: they share no prompt"
 NO_TEXT_PROMPT = (
     "plain-text chosen / rejected answers without a prompt (TRL's implicit prompt in text): pairs are rendered with "
@@ -61,14 +72,35 @@ class Pair:
     tools: list[dict[str, Any]] | None = None
 
 
+@dataclass
+class Unpaired:
+    """One KTO row, normalised: the prompt, the answer (from an assistant turn on), whether the answer is desirable
+    and the function schemas the prompt shows (``tools``, or None)."""
+
+    prompt: list[Message]
+    answer: list[Message]
+    desirable: bool
+    tools: list[dict[str, Any]] | None = None
+
+
 def conversations(pair: Pair) -> tuple[Conversation, Conversation]:
     """The prompt followed by the chosen answer, and the prompt followed by the rejected one."""
     return Conversation(pair.prompt + pair.chosen, pair.tools), Conversation(pair.prompt + pair.rejected, pair.tools)
 
 
-def is_unpaired(row: Any) -> bool:
+def label_of(row: Any, columns: dict[str, str] | None = None) -> bool | None:
+    """A KTO row's label: its boolean ``kto_tag`` (or the field ``columns`` maps it to) or ``label``; else None."""
+    if not isinstance(row, dict):
+        return None
+    for key in ((columns or {}).get("kto_tag", "kto_tag"), "label"):
+        if isinstance(row.get(key), bool):
+            return row[key]
+    return None
+
+
+def is_unpaired(row: Any, columns: dict[str, str] | None = None) -> bool:
     """Whether a row is KTO's: one answer judged by a boolean (LLaMA-Factory's ``kto_tag``, TRL's ``label``)."""
-    return isinstance(row, dict) and (isinstance(row.get("kto_tag"), bool) or isinstance(row.get("label"), bool))
+    return label_of(row, columns) is not None
 
 
 def pair_format(row: Any) -> str | None:
@@ -99,15 +131,17 @@ def fits(row: dict, fmt: str, columns: dict[str, str]) -> bool:
     return False
 
 
-def read_row(row: Any, how: dict[str, Any], data: DataArgs) -> Conversation | Pair:
+def read_row(row: Any, how: dict[str, Any], data: DataArgs) -> Conversation | Pair | Unpaired:
     """One parsed row as its file's plan entry (:func:`~raylora.data.sources.plan_sources`) reads it: a
-    :class:`Pair` from a preference file, else a :class:`~raylora.data.formats.Conversation`.
+    :class:`Pair` from a preference file, an :class:`Unpaired` from KTO's, else a :class:`~raylora.data.formats.Conversation`.
 
     Raises:
         RowError: the row cannot be used; the message says why.
     """
     if how.get("pairs"):
         return to_pair(row, how["format"], how["columns"], data.placeholders, data.drop_reasoning)
+    if how.get("unpaired"):
+        return to_unpaired(row, how["format"], how["columns"], data.placeholders, data.drop_reasoning)
     return to_conversation(
         row, how["format"], how["columns"], data.placeholders, data.mask_history, data.drop_reasoning
     )
@@ -181,6 +215,55 @@ def _pair(
         if all(not m["content"].strip() and not m.get("tool_calls") for m in answer if m["role"] == "assistant"):
             raise RowError(f"empty {which} answer")
     return Pair(prompt, chosen, rejected, fill_all(tools, placeholders))
+
+
+def to_unpaired(
+    row: Any, fmt: str, columns: dict[str, str], placeholders: dict[str, str], drop_reasoning: bool = False
+) -> Unpaired:
+    """Normalise one KTO row of format ``fmt`` (its rows' format without the label; TRL's ``prompt`` /
+    ``completion`` rows are known by their keys) with ``{{key}}`` placeholders filled.
+
+    Raises:
+        RowError: no boolean label, a field missing or mistyped (as for one answer), no user turn, or no answer after
+            the last one, an empty answer.
+    """
+    desirable = label_of(row, columns)
+    if desirable is None:
+        raise RowError("no boolean kto_tag or label: KTO needs each answer labelled desirable (true) or not (false)")
+    names = {key: v for key, v in columns.items() if key not in KTO_COLUMNS}
+    rest = {key: v for key, v in row.items() if key not in (columns.get("kto_tag", "kto_tag"), "label")}
+    if "completion" in rest or (fmt == "openai" and "prompt" in rest):  # TRL's unpaired rows
+        prompt = _trl_side(rest, "prompt", "user")
+        answer = _trl_side(rest, "completion", "assistant")
+        tools = fill_all(parse_tools(rest.get("tools"), "tools"), placeholders)
+        for messages in (prompt, answer):
+            fill_messages(messages, placeholders, drop_reasoning)
+    else:
+        conversation = to_conversation(rest, fmt, names, placeholders, False, drop_reasoning)
+        users = [k for k, m in enumerate(conversation.messages) if m["role"] == "user"]
+        if not users:
+            raise RowError("no user turn: KTO's answer is what follows the last user turn")
+        prompt, answer = conversation.messages[: users[-1] + 1], conversation.messages[users[-1] + 1 :]
+        tools = conversation.tools
+    prompt = [{**m, "loss_weight": 0.0} if m["role"] == "assistant" or m.get("loss_weight") else m for m in prompt]
+    answer = [{k: v for k, v in m.items() if k != "loss_weight"} for m in answer]
+    if not answer or answer[0]["role"] != "assistant":
+        raise RowError("no assistant answer after the last user turn")
+    if all(not m["content"].strip() and not m.get("tool_calls") for m in answer if m["role"] == "assistant"):
+        raise RowError("empty answer")
+    return Unpaired(prompt, answer, desirable, tools)
+
+
+def _trl_side(row: dict, key: str, role: str) -> list[Message]:
+    """TRL's ``prompt`` or ``completion``: a string (one ``role`` turn) or a message list."""
+    value = row.get(key)
+    if isinstance(value, str):
+        if not value.strip():
+            raise RowError(f"empty {key} ({key!r})")
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise RowError(f"field {key!r} is missing or not a string or a non-empty message list")
+    return openai_messages({"messages": value}, _OPENAI)
 
 
 def _alpaca_pair(row: dict, names: dict[str, str]) -> tuple[list[Message], list[Message], list[Message]]:

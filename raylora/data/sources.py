@@ -23,7 +23,18 @@ from raylora.data.formats import (
     detect_format,
     is_preference,
 )
-from raylora.data.preference import UNPAIRED, Pair, conversations, fits, is_unpaired, pair_format, read_row
+from raylora.data.preference import (
+    KTO_COLUMNS,
+    UNLABELLED,
+    UNPAIRED,
+    Pair,
+    Unpaired,
+    conversations,
+    fits,
+    is_unpaired,
+    pair_format,
+    read_row,
+)
 from raylora.data.read import expand, first_row, iter_raw
 from raylora.data.transforms import copies_of, split_draw
 
@@ -40,14 +51,16 @@ SUPERVISED = (
 
 def plan_sources(data: DataArgs, objective: str = "sft") -> dict[str, dict[str, Any]]:
     """Per data file: its format (declared or detected from the first row), column names and weight, and
-    ``"pairs": True`` for a preference file (read by :func:`~raylora.data.preference.to_pair`).
+    ``"pairs": True`` for a preference file (read by :func:`~raylora.data.preference.to_pair`), ``"unpaired": True``
+    for KTO's (:func:`~raylora.data.preference.to_unpaired`).
 
     Every file is checked before the pipeline starts: a file that does not parse, whose first row is not the
-    declared format or does not fit ``objective`` (a preference row under ``sft``, a row with one answer or KTO's
-    unpaired row under a preference objective), or that two sources name, fails here, naming the file and line.
+    declared format or does not fit ``objective`` (a preference or labelled row under ``sft``, a row with one answer
+    or KTO's labelled row under a paired objective, a row without a label under ``kto``), or that two sources name,
+    fails here, naming the file and line.
     Args:
         data: the job's data settings.
-        objective: ``train.objective``: ``sft``, or a preference objective (``dpo``, ``simpo``, ``orpo``).
+        objective: ``train.objective``: ``sft``, or a preference objective (``dpo``, ``simpo``, ``orpo``, ``kto``).
     Raises:
         DataError: listing every problem found.
     """
@@ -81,7 +94,7 @@ def plan_sources(data: DataArgs, objective: str = "sft") -> dict[str, dict[str, 
             path, columns = entry["path"], {**entry["columns"], **source.columns}
             fmt_declared = entry["format"] if source.format == "auto" else source.format
         formats = FORMATS if fmt_declared == "auto" else (fmt_declared,)
-        valid = {*PAIR_COLUMNS, *(name for fmt in formats for name in DEFAULT_COLUMNS[fmt])}
+        valid = {*PAIR_COLUMNS, *KTO_COLUMNS, *(name for fmt in formats for name in DEFAULT_COLUMNS[fmt])}
         unknown = sorted(set(columns) - valid)
         if unknown:
             problems.append(
@@ -105,9 +118,17 @@ def plan_sources(data: DataArgs, objective: str = "sft") -> dict[str, dict[str, 
             except ValueError as e:
                 problems.append(str(e))
                 continue
-            pairs = is_preference(row, columns)
-            if preference and is_unpaired(row):
-                problems.append(f"{path}:{line}: {UNPAIRED}")
+            pairs, unpaired = is_preference(row, columns), is_unpaired(row, columns)
+            if objective == "kto":
+                if not unpaired:
+                    problems.append(f"{path}:{line}: {UNLABELLED}")
+                    continue
+                detected = "openai" if isinstance(row, dict) and "completion" in row else detect_format(row)
+                plan[path] = {"format": detected if fmt_declared == "auto" else fmt_declared, "columns": columns,
+                              "weight": source.weight, "unpaired": True}  # fmt: skip
+                continue
+            if unpaired:
+                problems.append(f"{path}:{line}: {UNPAIRED}, not {objective}")
                 continue
             if pairs != preference:
                 problems.append(
@@ -143,13 +164,17 @@ def plan_sources(data: DataArgs, objective: str = "sft") -> dict[str, dict[str, 
 
 
 def conversation_of(row: Any, how: dict[str, Any], data: DataArgs) -> Conversation:
-    """One parsed row as a conversation: its own, or a preference pair's prompt and chosen answer (what evaluation
-    compares answers with, and what calibration renders).
+    """One parsed row as a conversation: its own, a preference pair's prompt and chosen answer, or a KTO row's prompt
+    and desirable answer (what evaluation compares answers with, and what calibration renders).
 
     Raises:
         RowError: the row cannot be used; the message says why.
     """
     item = read_row(row, how, data)
+    if isinstance(item, Unpaired):
+        if not item.desirable:
+            raise RowError("an undesirable answer (label false): not a reference")
+        return Conversation(item.prompt + item.answer, item.tools)
     return conversations(item)[0] if isinstance(item, Pair) else item
 
 

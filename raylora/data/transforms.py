@@ -26,7 +26,7 @@ from raylora.data.encode import IGNORE_INDEX, Encoder, TokenizerSpec
 from raylora.data.formats import RowError
 from raylora.data.packing import pack_lengths
 from raylora.data.pairs import encode_pairs
-from raylora.data.preference import read_row
+from raylora.data.preference import Pair, Unpaired, read_row
 
 
 @functools.lru_cache(maxsize=4)
@@ -112,7 +112,12 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
             kept.append(r)
         except RowError as e:
             rejects.append({**r, "reason": str(e)})
-    pairs = any(how.get("pairs") for how in plan.values())  # plan_sources plans pairs for every file or for none
+    # plan_sources plans pairs (or KTO's units) for every file or for none
+    pairs = any(how.get("pairs") or how.get("unpaired") for how in plan.values())
+    desirable = None
+    if pairs and items and isinstance(items[0], Unpaired):
+        desirable = [u.desirable for u in items]
+        items = kto_units(items)
     if pairs:
         encoded, seq_lens = encode_pairs(encoder, items)
     else:
@@ -145,7 +150,17 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
         two_each = pa.array(np.arange(0, 2 * len(items) + 1, 2), pa.int32())
         pair_lens = pa.ListArray.from_arrays(two_each, pa.array(seq_lens.ravel(), pa.int32()))
         columns["seq_lens"] = pair_lens.take(indices)
+    if desirable is not None:
+        one_each = pa.array(np.arange(len(items) + 1), pa.int32())
+        columns["desirable"] = pa.ListArray.from_arrays(one_each, pa.array(desirable, pa.bool_())).take(indices)
     return pa.table(columns)
+
+
+def kto_units(items: list[Unpaired]) -> list[Pair]:
+    """KTO's rows as units of two sequences: each prompt with its own answer, then with the previous row's answer
+    (the first row takes the last row's): the mismatched sequence of KTO's KL estimate, TRL's rotation by one within
+    a batch. A lone row's mismatched answer is its own (TRL refuses a batch of one for this)."""
+    return [Pair(u.prompt, u.answer, items[k - 1].answer, u.tools) for k, u in enumerate(items)]
 
 
 def _batch_name(rows: list[dict]) -> str:
@@ -214,6 +229,10 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
     def lists(values: Any, offsets: np.ndarray) -> pa.ListArray:
         return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int32()))
 
+    extra = {}
+    if "desirable" in batch.column_names:  # KTO: each unit's label, in the pack's order
+        labels_of = pc.take(batch.column("desirable").combine_chunks(), take).flatten()
+        extra["desirable"] = pa.ListArray.from_arrays(pa.array(example_offsets, pa.int32()), labels_of)
     return pa.table(
         {
             "input_ids": lists(pc.take(ids, take).flatten(), token_offsets),
@@ -223,6 +242,7 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
             "num_tokens": pa.array(np.diff(token_offsets), pa.int32()),
             "split": pa.array(pack_split, pa.string()),
             "origin": pc.take(batch.column("origin").combine_chunks(), take.take(pa.array(example_offsets[:-1]))),
+            **extra,
         }
     )
 
@@ -232,8 +252,9 @@ def _content_key(batch: pa.Table) -> str:
     example lengths."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(" ".join(sorted(set(batch["origin"].to_pylist()))).encode())
-    for name in ("input_ids", "labels", "seq_lens"):
-        digest.update(pc.list_flatten(batch[name]).to_numpy().tobytes())
+    for name in ("input_ids", "labels", "seq_lens", "desirable"):
+        if name in batch.column_names:
+            digest.update(pc.list_flatten(batch[name]).to_numpy(zero_copy_only=False).tobytes())
     return digest.hexdigest()
 
 

@@ -1,8 +1,10 @@
-"""Preference objectives on chosen / rejected answers: DPO (sigmoid, IPO), SimPO and ORPO, as TRL computes them.
+"""Preference objectives: DPO (sigmoid, IPO), SimPO and ORPO on chosen / rejected answers, and KTO on answers
+labelled desirable or not, as TRL computes them.
 
-A preference pack holds whole pairs, each as two consecutive examples (:mod:`raylora.data.preference`): example
+A preference pack holds whole units, each as two consecutive examples (:mod:`raylora.data.preference`): example
 ``2i`` is the prompt with the chosen answer, ``2i + 1`` the same prompt with the rejected one, the prompt masked
-out of the labels. One forward over the pack gives every answer's log-probability (the sum over its label tokens,
+out of the labels; for kto, ``2i`` is the prompt with its own answer and ``2i + 1`` the prompt with another row's
+answer (the mismatched sequence KTO's KL estimate is read from), the unit's label beside the pack. One forward over the pack gives every answer's log-probability (the sum over its label tokens,
 or that sum over their count where the objective averages), read off the label positions through the chunked head
 (:func:`~raylora.ops.linear_ce.linear_token_losses`). DPO's reference is the same model with the adapter off (peft's
 ``disable_adapter``), run without gradients: never a second copy of the weights.
@@ -15,6 +17,10 @@ reference's (TRL's ``DPOTrainer``, ``CPOTrainer`` with ``loss_type="simpo"`` and
 - simpo (averaged): ``z = c - r - gamma / beta``; ``-(1 - ls) logsigmoid(beta z) - ls logsigmoid(-beta z)``
 - orpo (averaged): ``-beta logsigmoid((c - r) - (log(1 - e^c) - log(1 - e^r)))``, plus the chosen answers'
   cross-entropy per token.
+- kto: with ``a`` / ``a0`` the policy's / reference's log-probability of an answer and ``kl`` the batch's mean
+  log-ratio on the mismatched sequences (over every worker, detached, at least 0): ``w_d (1 - sigmoid(beta (a - a0 -
+  kl)))`` for a desirable answer, ``w_u (1 - sigmoid(beta (kl - a + a0)))`` for an undesirable one; the loss is the
+  mean over answers (TRL's ``KTOTrainer``, ``loss_type="kto"``).
 
 Rewards are ``beta (c - c0)`` and ``beta (r - r0)`` (``beta c`` and ``beta r`` without a reference); the metrics
 carry TRL's names.
@@ -79,6 +85,76 @@ def pair_losses(
     return losses, beta * c, beta * r, c, r
 
 
+def kto_losses(
+    pref: PreferenceArgs, logps: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each answer's KTO loss (weighted) and its reward, both (U,): ``desirable`` (U,) bool, ``kl`` the batch's KL
+    estimate (a detached scalar, at least 0)."""
+    ratio = logps - reference
+    chosen = pref.desirable_weight * (1 - torch.sigmoid(pref.beta * (ratio - kl)))
+    rejected = pref.undesirable_weight * (1 - torch.sigmoid(pref.beta * (kl - ratio)))
+    return torch.where(desirable, chosen, rejected), pref.beta * ratio
+
+
+def kl_parts(logps: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """KTO's KL estimate of a batch as (sum, count), detached: the policy's log-ratio to the reference on the
+    mismatched sequences (each prompt with another row's answer: the odd examples)."""
+    ratios = (logps[1::2] - reference[1::2]).detach()
+    return torch.stack([ratios.sum(), ratios.new_tensor(float(ratios.numel()))])
+
+
+def objective_terms(
+    objective: str,
+    pref: PreferenceArgs,
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    desirable: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's loss terms and statistics from :class:`PreferenceModel`'s ``outputs``.
+
+    Returns:
+        ``terms`` = (the units' losses summed, the chosen answers' cross-entropy summed over their tokens: ORPO's
+        second term, 0 otherwise) and the sums :func:`metrics` reads (:data:`STATS` of the pairs; for kto, the
+        desirable and undesirable answers' rewards and log-probabilities, their counts, the KL estimate and 1).
+    Args:
+        desirable, kl: kto only: each unit's label, and the KL estimate (:func:`kl_parts`, reduced over workers).
+    """
+    logps, tokens, reference = outputs
+    if objective == "kto":
+        losses, rewards = kto_losses(pref, logps[0::2], reference[0::2], desirable, kl)
+        good = desirable.float()
+        bad = 1 - good
+        rewards, answer = rewards.detach(), logps[0::2].detach()
+        stats = torch.stack([(rewards * good).sum(), (rewards * bad).sum(), (answer * good).sum(),
+                             (answer * bad).sum(), good.sum(), bad.sum(), kl.detach(), kl.new_ones(())])  # fmt: skip
+        return torch.stack([losses.sum(), losses.new_zeros(())]), stats
+    pairs = None if objective in REFERENCE_FREE else (reference[0::2], reference[1::2])
+    losses, chosen_rewards, rejected_rewards, chosen, rejected = pair_losses(
+        objective, pref, (logps[0::2], tokens[0::2]), (logps[1::2], tokens[1::2]), pairs
+    )
+    nll = -logps[0::2].sum() if objective == "orpo" else logps.new_zeros(())
+    margins = (chosen_rewards - rejected_rewards).detach()
+    stats = torch.stack([chosen_rewards.detach().sum(), rejected_rewards.detach().sum(), margins.sum(),
+                         (margins > 0).float().sum(), chosen.detach().sum(), rejected.detach().sum()])  # fmt: skip
+    return torch.stack([losses.sum(), nll]), stats
+
+
+def metrics(objective: str, sums: list[float], units: float) -> dict[str, float]:
+    """The step's (or an evaluation's) metrics from :func:`objective_terms`' statistics summed over its batches;
+    ``units``: its pairs (kto: its answers)."""
+    if objective != "kto":
+        return dict(zip(STATS, (value / max(units, 1.0) for value in sums), strict=True))
+    chosen_reward, rejected_reward, chosen_logps, rejected_logps, good, bad, kl, batches = sums
+    scores = {"kl": kl / max(batches, 1.0)}
+    if good:
+        scores |= {"rewards/chosen": chosen_reward / good, "logps/chosen": chosen_logps / good}
+    if bad:
+        scores |= {"rewards/rejected": rejected_reward / bad, "logps/rejected": rejected_logps / bad}
+    if good and bad:
+        scores["rewards/margins"] = scores["rewards/chosen"] - scores["rewards/rejected"]
+    return scores
+
+
 def _smoothed(z: torch.Tensor, smoothing: float) -> torch.Tensor:
     """``-logsigmoid(z)``, with ``smoothing`` of the labels taken as flipped (conservative DPO)."""
     return -(1 - smoothing) * F.logsigmoid(z) - smoothing * F.logsigmoid(-z)
@@ -103,11 +179,12 @@ def example_index(seq_lens: list[list[int]], width: int) -> torch.Tensor:
 
 
 class PreferenceModel(nn.Module):
-    """What DDP wraps for a preference objective: the peft model's forward to the step's loss terms.
+    """What DDP wraps for a preference objective: the peft model's forward to every answer's log-probability.
 
     ``forward(input_ids, labels, position_ids, attention_mask, cu_seq_lens, examples)`` (``examples`` from
-    :func:`example_index`) returns ``(terms, stats)``: ``terms`` = (the pairs' losses summed, the chosen answers'
-    cross-entropy summed over their tokens: ORPO's second term, 0 otherwise), ``stats`` the sums of :data:`STATS`.
+    :func:`example_index`) returns ``(logps, tokens, reference)``, each (E,) fp32 for the batch's E examples: the
+    summed log-probability of each example's label tokens, their count, and the reference's log-probability (the
+    adapter off, no gradients; zeros for a reference-free objective). :func:`objective_terms` makes the loss of them.
     """
 
     def __init__(self, model: nn.Module, chunked: bool, objective: str, pref: PreferenceArgs, head=None):
@@ -119,20 +196,12 @@ class PreferenceModel(nn.Module):
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "cu_seq_lens_q": cu_seq_lens}  # fmt: skip
         count = int(examples.max().item()) + 1
-        sums, tokens = self.answer_logps(inputs, labels, examples, count)
-        reference = None
-        if self.objective not in REFERENCE_FREE:
-            with torch.no_grad(), self.model.disable_adapter():
-                ref = self.answer_logps(inputs, labels, examples, count)[0]
-            reference = ref[0::2], ref[1::2]
-        losses, chosen_rewards, rejected_rewards, chosen, rejected = pair_losses(
-            self.objective, self.pref, (sums[0::2], tokens[0::2]), (sums[1::2], tokens[1::2]), reference
-        )
-        nll = -sums[0::2].sum() if self.objective == "orpo" else sums.new_zeros(())
-        margins = (chosen_rewards - rejected_rewards).detach()
-        stats = torch.stack([chosen_rewards.detach().sum(), rejected_rewards.detach().sum(), margins.sum(),
-                             (margins > 0).float().sum(), chosen.detach().sum(), rejected.detach().sum()])  # fmt: skip
-        return torch.stack([losses.sum(), nll]), stats
+        logps, tokens = self.answer_logps(inputs, labels, examples, count)
+        if self.objective in REFERENCE_FREE:
+            return logps, tokens, torch.zeros_like(tokens)
+        with torch.no_grad(), self.model.disable_adapter():
+            reference = self.answer_logps(inputs, labels, examples, count)[0]
+        return logps, tokens, reference
 
     def answer_logps(self, inputs: dict, labels, examples, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each example's summed log-probability of its label tokens and their number, both (count,) fp32."""
@@ -156,35 +225,54 @@ class PreferenceModel(nn.Module):
 
 def collate_pairs(rows: list[dict], pad_id: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """:func:`~raylora.data.collate.collate_packs` of preference packs, with each token's example
-    (:func:`example_index`)."""
+    (:func:`example_index`) and, for kto's packs, each unit's label (``desirable``)."""
     batch = collate_packs(rows, pad_id, dtype)
     batch["examples"] = example_index([list(r["seq_lens"]) for r in rows], batch["input_ids"].shape[1])
+    if rows and "desirable" in rows[0]:
+        batch["desirable"] = torch.tensor([bool(d) for r in rows for d in r["desirable"]], dtype=torch.bool)
     return batch
 
 
 def _counts(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """A batch's pairs, and its chosen answers' label tokens (ORPO's cross-entropy is per token)."""
+    """A batch's units (pairs; kto: answers), and its chosen answers' label tokens (ORPO's cross-entropy is per
+    token)."""
     owner = batch["examples"][:, 1:]
     learned = batch["labels"][:, 1:] != IGNORE_INDEX
     return (int(batch["examples"].max().item()) + 1) // 2, int((learned & (owner % 2 == 0)).sum().item())
 
 
-def _loss(terms: torch.Tensor, pairs: float, chosen_tokens: float) -> torch.Tensor:
-    """The step's objective from its summed terms: the mean pair loss, plus ORPO's cross-entropy per chosen token."""
-    return terms[0] / max(pairs, 1.0) + terms[1] / max(chosen_tokens, 1.0)
+def _loss(terms: torch.Tensor, units: float, chosen_tokens: float) -> torch.Tensor:
+    """The step's objective from its summed terms: the mean unit loss, plus ORPO's cross-entropy per chosen token."""
+    return terms[0] / max(units, 1.0) + terms[1] / max(chosen_tokens, 1.0)
+
+
+def _terms(model, batch: dict[str, torch.Tensor], objective: str, pref: PreferenceArgs, world: int):
+    """One batch's forward and :func:`objective_terms`; kto's KL estimate is the batch's over ``world`` workers
+    (each worker's batch is one micro-batch of the same step, as TRL's per-device batches are)."""
+    inputs = {key: v for key, v in batch.items() if key != "desirable"}
+    outputs = model(**inputs)
+    kl = None
+    if objective == "kto":
+        parts = kl_parts(outputs[0], outputs[2])
+        if world > 1:
+            dist.all_reduce(parts)
+        kl = (parts[0] / parts[1].clamp(min=1)).clamp(min=0)
+    return objective_terms(objective, pref, outputs, batch.get("desirable"), kl)
 
 
 def preference_step(ddp, batches, optimizer, scheduler, scaler, pad_id, mask_dtype, device, train, backend, world):
     """One optimizer step of a preference objective over ``grad_accum`` micro-batches on ``world`` workers, as
     :func:`~raylora.train.loop.train_step` takes one (its arguments and its returns, then the step's
-    :data:`STATS` averaged over its pairs).
+    :func:`metrics`).
 
-    The objective is the mean over every pair of the step (all micro-batches, all workers; ORPO adds its chosen
-    answers' cross-entropy per token): the counts are all-reduced before the first backward and each micro-batch's
-    sums scaled by ``world`` over them (DDP averages gradients over workers).
+    The objective is the mean over every unit of the step (pairs; kto: answers; all micro-batches, all workers;
+    ORPO adds its chosen answers' cross-entropy per token): the counts are all-reduced before the first backward and
+    each micro-batch's sums scaled by ``world`` over them (DDP averages gradients over workers).
     """
+    module = ddp.module if hasattr(ddp, "module") else ddp
+    objective, pref = module.objective, module.pref
     micro = []
-    counts = torch.zeros(3, device=device)  # pairs, chosen label tokens, real tokens
+    counts = torch.zeros(3, device=device)  # units, chosen label tokens, real tokens
     for _ in range(train.grad_accum):
         rows, position = next(batches)
         batch = {key: v.to(device) for key, v in collate_pairs(rows, pad_id, mask_dtype).items()}
@@ -192,45 +280,50 @@ def preference_step(ddp, batches, optimizer, scheduler, scaler, pad_id, mask_dty
         counts += torch.tensor([*_counts(batch), sum(r["num_tokens"] for r in rows)], device=device)
     if world > 1:
         dist.all_reduce(counts)
-    pairs, chosen_tokens, tokens = counts.tolist()
+    units, chosen_tokens, tokens = counts.tolist()
     terms = torch.zeros(2, device=device)
-    stats = torch.zeros(len(STATS), device=device)
+    stats = None
     for k, batch in enumerate(micro):
         sync = k == train.grad_accum - 1 or world == 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
             with backend.autocast():
-                parts, sums = ddp(**batch)
-            scaler.scale(_loss(parts, pairs, chosen_tokens) * world).backward()
+                parts, sums = _terms(ddp, batch, objective, pref, world)
+            scaler.scale(_loss(parts, units, chosen_tokens) * world).backward()
         terms += parts.detach().float()
-        stats += sums.float()
+        stats = sums.float() if stats is None else stats + sums.float()
     if world > 1:
         dist.all_reduce(terms)
         dist.all_reduce(stats)
-    loss = _loss(terms, pairs, chosen_tokens).item()
+    loss = _loss(terms, units, chosen_tokens).item()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = take_step(params, optimizer, scheduler, scaler, train.max_grad_norm, loss)
-    return loss, int(tokens), grad_norm, position, dict(zip(STATS, (stats / max(pairs, 1.0)).tolist(), strict=True))
+    return loss, int(tokens), grad_norm, position, metrics(objective, stats.tolist(), units)
 
 
 @torch.no_grad()
 def evaluate_pairs(model, shard, batch_size: int, pad_id: int, mask_dtype, backend, world: int) -> dict[str, float]:
-    """The objective and :data:`STATS` (``eval_`` before each name) over every worker's held-out pairs; ``model``:
-    a :class:`PreferenceModel`."""
+    """The objective and :func:`metrics` (``eval_`` before each name) over every worker's held-out units;
+    ``model``: a :class:`PreferenceModel`. Workers hold different numbers of batches, so kto's KL estimate is each
+    batch's own (no collective inside the loop)."""
     model.eval()
     device = next(model.parameters()).device
-    sums = torch.zeros(4 + len(STATS), dtype=torch.float64, device=device)  # terms, pairs, chosen tokens, stats
+    sums = None  # terms, units, chosen tokens, then the statistics
     for batch in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
         tensors = {k: v.to(device) for k, v in collate_pairs(batch.to_pylist(), pad_id, mask_dtype).items()}
         with backend.autocast():
-            terms, stats = model(**tensors)
-        sums += torch.cat([terms.double(), torch.tensor(_counts(tensors), device=device), stats.double()])
+            terms, stats = _terms(model, tensors, model.objective, model.pref, 1)
+        part = torch.cat([terms.double(), torch.tensor(_counts(tensors), device=device), stats.double()])
+        sums = part if sums is None else sums + part
     model.train()
+    if sums is None:
+        width = 2 + 2 + (8 if model.objective == "kto" else len(STATS))
+        sums = torch.zeros(width, dtype=torch.float64, device=device)
     if world > 1:
         total = sums.float()  # HCCL all-reduces no float64
         dist.all_reduce(total)
         sums = total.double()
-    pairs, chosen_tokens = sums[2].item(), sums[3].item()
-    if pairs == 0:
+    units, chosen_tokens = sums[2].item(), sums[3].item()
+    if units == 0:
         return {}
-    scores = {"eval_loss": _loss(sums[:2], pairs, chosen_tokens).item()}
-    return scores | {f"eval_{name}": value / pairs for name, value in zip(STATS, sums[4:].tolist(), strict=True)}
+    scores = {"eval_loss": _loss(sums[:2], units, chosen_tokens).item()}
+    return scores | {f"eval_{k}": v for k, v in metrics(model.objective, sums[4:].tolist(), units).items()}

@@ -90,7 +90,10 @@ def check(cfg: JobConfig) -> None:
                                       f"is better; set tune.mode={'min' if lower_better else 'max'}"))  # fmt: skip
     if cfg.train.objective == "sft" and tune.metric in PREFERENCE_METRICS:
         problems.append(("tune.metric", f"{tune.metric} is reported by a preference objective (train.objective dpo, "
-                                        "simpo or orpo); this job trains sft"))  # fmt: skip
+                                        "simpo, orpo or kto); this job trains sft"))  # fmt: skip
+    if cfg.train.objective == "kto" and tune.metric == "eval_rewards/accuracies":
+        problems.append(("tune.metric", "kto's answers are unpaired: it reports no eval_rewards/accuracies; use "
+                                        "eval_loss or eval_rewards/margins"))  # fmt: skip
     if cfg.train.objective != "sft" and tune.metric == "eval_perplexity":
         problems.append(("tune.metric", f"train.objective {cfg.train.objective} reports no perplexity: its eval_loss "
                                         f"is its objective on the held-out pairs; use eval_loss or one of "

@@ -1,6 +1,7 @@
 """Preference training end to end on the tiny model and the bundled identity pairs: DPO on two gloo workers through
-Ray Train, resumed on one worker; a Tune sweep over preference.beta choosing on held-out reward accuracy; a
-preference file under the sft objective refused before Ray starts."""
+Ray Train, resumed on one worker; KTO on the same answers labelled one by one, on two workers; a Tune sweep over
+preference.beta choosing on held-out reward accuracy; a preference file under the sft objective refused before Ray
+starts."""
 
 import csv
 import json
@@ -53,6 +54,33 @@ def test_dpo_on_two_workers_prefers_the_chosen_answers_and_resumes_on_one_worker
     assert resumed["steps"] == 24 and resumed["resumed_from"] == 20
     history = json.loads((tmp_path / "run" / "history.json").read_text())
     assert history[-1]["step"] == 24 and set(STATS) <= set(history[-1])
+
+
+def test_kto_on_two_workers_rewards_the_desirable_answers_and_resumes_on_one_worker(tmp_path):
+    kto = ROOT / "configs" / "tiny_kto_cpu.yaml"
+    overrides = [f"train.output_dir={tmp_path}/run", f"data.output_dir={tmp_path}/data", "tracking.enabled=true",
+                 f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=kto"]  # fmt: skip
+    first = fit(load_config(kto, [*overrides, "train.num_workers=2", "train.eval_every=10", "train.log_every=5"]),
+                log=lambda s: None)  # fmt: skip
+    assert first["steps"] == 20
+    summary = json.loads((tmp_path / "data" / "summary.json").read_text())
+    assert summary["answers"] == 456 and summary["rows_rejected"] == 0
+    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    evaluations = [h for h in history if "eval_loss" in h]
+    assert [h["step"] for h in evaluations] == [10, 20]
+    # the loss starts at 0.5 (adapter B = 0: policy = reference, 1 - sigmoid(0)); the held-out desirable answers come
+    # to be rewarded above the undesirable ones
+    assert history[0]["loss"] == pytest.approx(0.5, abs=0.01) and evaluations[-1]["eval_loss"] < 0.5
+    assert evaluations[-1]["eval_rewards/margins"] > 0 and evaluations[-1]["eval_rewards/chosen"] > 0
+    assert all({"rewards/chosen", "rewards/rejected", "kl", "logps/chosen"} <= set(h) for h in history)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(json.loads((tmp_path / "run" / "mlflow_run.json").read_text())["run_id"])
+    assert {"kl", "rewards/margins", "eval_rewards/margins", "eval_kl"} <= set(run.data.metrics)
+    assert run.data.params["train.objective"] == "kto" and run.data.params["preference.desirable_weight"] == "1.0"
+    assert PeftModel.from_pretrained(tiny_model("llama"), tmp_path / "run" / "adapter").peft_config["default"].r == 8
+
+    resumed = fit(load_config(kto, [*overrides, "train.num_workers=1", "train.max_steps=24"]), log=lambda s: None)
+    assert resumed["steps"] == 24 and resumed["resumed_from"] == 20
 
 
 def test_a_sweep_over_beta_chooses_on_held_out_reward_accuracy(tmp_path):

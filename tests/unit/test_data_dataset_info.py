@@ -77,7 +77,6 @@ def test_llamafactory_names_translate_and_file_name_is_beside_the_registry(tmp_p
     [
         ({"hf_hub_url": "llamafactory/glaive_toolcall_en"}, "hf_hub_url \\(a Hugging Face hub dataset: raylora reads local"),
         ({"file_name": "a.json", "num_samples": 10}, "num_samples \\(sampling by count"),
-        ({"file_name": "a.json", "columns": {"prompt": "q", "kto_tag": "label"}}, "kto_tag column: KTO's unpaired rows; raylora trains the paired objectives dpo, simpo and orpo .* KTO is not built yet"),
         ({"file_name": "a.json", "columns": {"prompt": "q", "chosen": "c", "rejected": "r"}}, "has chosen, rejected columns but not ranking: true"),
         ({"file_name": "a.json", "formatting": "sharegpt", "columns": {"messages": "m", "images": "i"}}, "has images columns"),
         ({"file_name": "a.json", "formating": "sharegpt"}, "formating \\(not a LLaMA-Factory key raylora knows"),

@@ -12,7 +12,7 @@ from raylora.data.encode import IGNORE_INDEX, Encoder, tokenizer_spec
 from raylora.data.formats import Conversation, RowError
 from raylora.data.packing import join
 from raylora.data.pairs import PROMPT_DIFFERS, encode_pairs
-from raylora.data.preference import Pair, conversations, to_pair
+from raylora.data.preference import Pair, conversations, to_pair, to_unpaired
 from raylora.data.read import iter_blocks
 from raylora.data.sources import DataError, held_out_conversations, plan_sources
 from raylora.data.transforms import encode_batch, pack_batch, worker_spec
@@ -144,9 +144,9 @@ def test_reasoning_can_be_left_out():
         ({"conversations": [{"from": "human", "value": "Sky?"}], "chosen": {"from": "gpt", "value": "Blue."},
           "rejected": "Green."}, "sharegpt", "field 'rejected' is missing or not a turn"),
         ({"messages": [user("Sky?"), assistant("Blue.")], "label": False}, "openai", "an unpaired preference row"),
-        ({"prompt": "Sky?", "completion": "Blue.", "label": True}, "alpaca", "KTO is not built yet"),
+        ({"prompt": "Sky?", "completion": "Blue.", "label": True}, "alpaca", "train.objective: kto fits this file"),
         ({"conversations": [{"from": "human", "value": "Sky?"}, {"from": "gpt", "value": "Blue."}], "kto_tag": True},
-         "sharegpt", "raylora trains the paired objectives dpo, simpo and orpo"),
+         "sharegpt", "an unpaired preference row"),
     ],
 )  # fmt: skip
 def test_bad_pairs_say_why(row, fmt, reason):
@@ -351,7 +351,10 @@ def test_a_file_that_does_not_fit_the_objective_fails_before_anything_runs(tmp_p
     message = str(err.value)
     assert "sft.jsonl:1: a row with one answer (supervised fine-tuning data), but train.objective is simpo" in message
     assert "train.objective: sft fits this file" in message
-    assert "kto.jsonl:1: an unpaired preference row" in message and "KTO is not built yet" in message
+    assert (
+        "kto.jsonl:1: an unpaired preference row" in message
+        and "train.objective: kto fits this file, not simpo" in message
+    )
     assert "data.train_on_prompt: train.objective: simpo compares the answers" in message
     with pytest.raises(DataError, match="pairs.jsonl:1: is not sharegpt preference data"):
         plan_sources(data_config(f"data.sources=[{{path: {pairs}, format: sharegpt}}]"), "dpo")
@@ -389,3 +392,110 @@ def test_the_sample_pairs_name_the_assistant_over_generic_answers():
     held = held_out_conversations(cfg.data, cfg.train.objective)  # raylora eval's set: each prompt, chosen answer
     assert 10 <= len(held) <= 40 and all(any(n in c.messages[-1]["content"] for n in named) for c in held)
     assert {c.messages[0]["content"] for c in held} <= {p.prompt[0]["content"] for p in pairs}
+
+
+@pytest.mark.parametrize(
+    ("row", "fmt", "columns", "prompt", "answer", "desirable"),
+    [
+        ({"instruction": "Sky?", "input": "", "output": "Blue, says {{name}}.", "kto_tag": True}, "alpaca", {},
+         [user("Sky?")], [assistant("Blue, says Ray.")], True),
+        ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"},
+                            {"from": "human", "value": "Sky?"}, {"from": "gpt", "value": "Green."}], "good": False},
+         "sharegpt", {"kto_tag": "good"},
+         [user("Hi"), {**assistant("Hello"), "loss_weight": 0.0}, user("Sky?")], [assistant("Green.")], False),
+        ({"messages": [user("Sky?"), {"role": "assistant", "content": "", "tool_calls": [CALL]}], "tools": [TOOL],
+          "label": True}, "openai", {}, [user("Sky?")], None, True),
+        ({"prompt": "Sky?", "completion": "Blue.", "label": False}, "openai", {}, [user("Sky?")], [assistant("Blue.")],
+         False),
+        ({"prompt": [user("Sky?")], "completion": [assistant("Blue.")], "label": True}, "openai", {}, [user("Sky?")],
+         [assistant("Blue.")], True),
+    ],
+)  # fmt: skip
+def test_kto_rows_read_as_a_prompt_an_answer_and_its_label(row, fmt, columns, prompt, answer, desirable):
+    unit = to_unpaired(row, fmt, columns, {"name": "Ray"})
+    assert unit.desirable is desirable and unit.prompt == prompt
+    if answer is None:  # a tool call: the answer is the assistant's call, the schema the prompt's
+        assert (
+            unit.answer[0]["tool_calls"][0]["function"]["name"] == "weather"
+            and unit.tools[0]["function"]["name"] == "weather"
+        )
+    else:
+        assert unit.answer == answer
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"instruction": "Sky?", "output": "Blue."}, "no boolean kto_tag or label"),
+        ({"instruction": "Sky?", "output": "Blue.", "kto_tag": "yes"}, "no boolean kto_tag or label"),
+        ({"prompt": "Sky?", "completion": " ", "label": True}, "empty completion"),
+        ({"prompt": "Sky?", "label": True}, "field 'completion' is missing"),
+        ({"messages": [assistant("Blue.")], "label": True}, "no user turn"),
+    ],
+)  # fmt: skip
+def test_bad_kto_rows_say_why(row, reason):
+    with pytest.raises(RowError, match=reason):
+        to_unpaired(row, "alpaca" if "instruction" in row else "openai", {}, {})
+
+
+def test_a_kto_file_packs_each_answer_with_its_prompt_and_the_previous_rows_answer(tmp_path, tok):
+    rows = [{"instruction": f"Say {i}.", "output": f"{i} from {{{{name}}}}", "kto_tag": i % 3 != 0} for i in range(9)]
+    rows[4] = {"instruction": "Judge this.", "output": "Fine."}  # no label
+    (tmp_path / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"data.sources=[{{path: {tmp_path}/kto.jsonl}}]", "data.placeholders.name=Ray",
+                             "data.cutoff_len=256", "model.name_or_path=tiny-llama", "train.objective=kto"])  # fmt: skip
+    plan = plan_sources(cfg.data, cfg.train.objective)
+    assert list(plan.values()) == [{"format": "alpaca", "columns": {}, "weight": 1.0, "unpaired": True}]
+    for side in ("rejects", "counts"):
+        (tmp_path / side).mkdir()
+    spec = worker_spec(cfg.data, tokenizer_spec(tok, cfg.data.template))
+    path = next(iter(plan))
+    with open(path, "rb") as f:
+        encoded = [encode_batch(b, spec, plan, str(tmp_path), None) for b in iter_blocks(f, path, None, 100)]
+    packs = pack_batch(pa.concat_tables(encoded), cfg.data.cutoff_len, True).to_pylist()
+    units = []
+    for pack in packs:
+        assert len(pack["seq_lens"]) == 2 * len(pack["desirable"])
+        start, texts = 0, []
+        for n in pack["seq_lens"]:
+            ids, labels = pack["input_ids"][start : start + n], pack["labels"][start : start + n]
+            texts.append((tok.decode(ids), learned(tok, ids, labels)))
+            start += n
+        units += list(zip(texts[0::2], texts[1::2], pack["desirable"], strict=True))
+    kept = [i for i in range(9) if i != 4]
+    assert len(units) == len(kept)
+    by_answer = {own[1]: (other, desirable) for own, other, desirable in units}
+    for k, i in enumerate(kept):
+        prompt = f"<|im_start|>user\nSay {i}.<|im_end|>\n<|im_start|>assistant\n"
+        previous = kept[k - 1]  # the batch's rows rotated by one: the first takes the last's answer
+        other, desirable = by_answer[f"{i} from Ray<|im_end|>\n"]
+        assert other == (prompt + f"{previous} from Ray<|im_end|>\n", f"{previous} from Ray<|im_end|>\n")
+        assert desirable == (i % 3 != 0)
+    rejects = [json.loads(line) for part in (tmp_path / "rejects").iterdir() for line in part.read_text().splitlines()]
+    assert [(r["line"], r["reason"].split(":")[0]) for r in rejects] == [(5, "no boolean kto_tag or label")]
+
+
+def test_kto_data_and_the_objective_must_agree_before_anything_runs(tmp_path):
+    pairs = write(tmp_path / "pairs.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}])
+    kto = write(tmp_path / "kto.jsonl", [{"prompt": "q", "completion": "a", "label": True}])
+    with pytest.raises(DataError) as err:
+        plan_sources(data_config(f"data.sources=[{{path: {pairs}}}, {{path: {kto}}}]"), "kto")
+    message = str(err.value)
+    assert "pairs.jsonl:1: a row without a true / false label, but train.objective is kto" in message
+    assert "kto.jsonl" not in message
+    with pytest.raises(
+        DataError, match="kto.jsonl:1: an unpaired preference row .*train.objective: kto fits this file, not sft"
+    ):
+        plan_sources(data_config(f"data.sources=[{{path: {kto}}}]"), "sft")
+    assert list(plan_sources(data_config(f"data.sources=[{{path: {kto}}}]"), "kto").values()) == [
+        {"format": "openai", "columns": {}, "weight": 1.0, "unpaired": True}
+    ]
+
+
+def test_the_bundled_kto_set_registers_its_label_and_reads_as_the_identity_answers():
+    cfg = load_config(ROOT / "configs" / "tiny_kto_cpu.yaml", [])
+    (how,) = plan_sources(cfg.data, "kto").values()
+    assert how["columns"]["kto_tag"] == "kto_tag" and how["unpaired"]
+    held = held_out_conversations(cfg.data, "kto")  # references: the desirable held-out answers only
+    assert held and all("Raylora Assistant" in c.messages[-1]["content"] or "raylora team" in c.messages[-1]["content"]
+                        for c in held)  # fmt: skip

@@ -1,6 +1,7 @@
-"""Preference objectives against TRL 1.16 (a test-only dependency): DPO through ``DPOTrainer.compute_loss`` on the
-same tiny model, adapter and pairs (loss, every LoRA gradient and the logged metrics); SimPO and ORPO through
-``CPOTrainer.cpo_loss`` and ``ORPOTrainer.odds_ratio_loss`` on the same log-probabilities. Also: an answer's
+"""Preference objectives against TRL 1.16 (a test-only dependency): DPO and KTO through ``DPOTrainer.compute_loss``
+and ``KTOTrainer.compute_loss`` on the same tiny model, adapter and rows (loss, every LoRA gradient and the logged
+metrics); SimPO and ORPO through ``CPOTrainer.cpo_loss`` and ``ORPOTrainer.odds_ratio_loss`` on the same
+log-probabilities. Also: an answer's
 log-probability inside a pack equals its log-probability alone, and accumulation and two DDP workers leave a
 preference step unchanged."""
 
@@ -19,7 +20,15 @@ from raylora.config import BackendArgs, LoraArgs, PreferenceArgs, TrainArgs
 from raylora.data.packing import join
 from raylora.models import attach_lora, randomise_lora, tiny_model, tiny_tokenizer
 from raylora.train.lm import training_model
-from raylora.train.preference import STATS, PreferenceModel, collate_pairs, pair_losses, preference_step
+from raylora.train.preference import (
+    STATS,
+    PreferenceModel,
+    collate_pairs,
+    metrics,
+    objective_terms,
+    pair_losses,
+    preference_step,
+)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 BACKEND = resolve_backend(BackendArgs(device="cpu", precision="fp32"))
@@ -80,8 +89,9 @@ def test_dpo_equals_trls_dpo_trainer_in_loss_gradients_and_metrics(tmp_path, los
     theirs = trainer.compute_loss(trainer.model, trainer.data_collator(pairs))
     theirs.backward()
 
-    ours = _ours("dpo", PreferenceArgs(beta=0.1, loss_type=loss_type), chunked)
-    terms, stats = ours(**collate_pairs([_row(pairs)], 0, torch.float32))
+    pref = PreferenceArgs(beta=0.1, loss_type=loss_type)
+    ours = _ours("dpo", pref, chunked)
+    terms, stats = objective_terms("dpo", pref, ours(**collate_pairs([_row(pairs)], 0, torch.float32)))
     loss = terms[0] / len(pairs)
     loss.backward()
 
@@ -92,6 +102,74 @@ def test_dpo_equals_trls_dpo_trainer_in_loss_gradients_and_metrics(tmp_path, los
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     for name, value in zip(STATS, (stats / len(pairs)).tolist(), strict=True):
+        assert value == pytest.approx(logged[name], abs=1e-5), name
+
+
+def _kto_rows(seed: int = 0) -> list[dict]:
+    """TRL's tokenized unpaired rows, each with its KL completion: the previous row's (TRL's rotation by one)."""
+    gen = random.Random(seed)
+    rows = [
+        {"prompt_ids": [gen.randrange(3, 200) for _ in range(p)], "completion_ids": [gen.randrange(3, 200) for _ in range(c)],
+         "label": label}
+        for p, c, label in ((5, 4, True), (3, 7, False), (6, 2, True), (2, 5, False), (4, 3, False))
+    ]  # fmt: skip
+    for k, row in enumerate(rows):
+        row["KL_completion_ids"] = rows[k - 1]["completion_ids"]
+    return rows
+
+
+def _kto_pack(rows: list[dict]) -> dict:
+    """The rows as raylora packs them: each its prompt with its answer, then with its KL answer; labels beside."""
+    examples = [
+        (r["prompt_ids"] + r[key], [-100] * len(r["prompt_ids"]) + r[key])
+        for r in rows
+        for key in ("completion_ids", "KL_completion_ids")
+    ]
+    pack = join(examples)
+    return pack | {"num_tokens": len(pack["input_ids"]), "desirable": [r["label"] for r in rows]}
+
+
+@pytest.mark.parametrize(("seed", "weights"), [(5, (1.0, 1.0)), (5, (1.0, 1.5)), (0, (1.0, 1.0))])
+def test_kto_equals_trls_kto_trainer_in_loss_gradients_and_metrics(tmp_path, seed, weights):
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+
+    rows = _kto_rows(seed)
+    args = KTOConfig(output_dir=str(tmp_path), beta=0.1, desirable_weight=weights[0], undesirable_weight=weights[1],
+                     report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=len(rows))  # fmt: skip
+    tiny = Dataset.from_list([{"prompt": "a b", "completion": " c", "label": k % 2 == 0} for k in range(2)])
+    trainer = KTOTrainer(model=_peft(), args=args, train_dataset=tiny, processing_class=tiny_tokenizer())
+    if "ref" in trainer.model.peft_config:
+        trainer.model.delete_adapter("ref")  # ours is the base with the adapter off
+    theirs = trainer.compute_loss(trainer.model, trainer.data_collator(rows))
+    theirs.backward()
+
+    pref = PreferenceArgs(beta=0.1, desirable_weight=weights[0], undesirable_weight=weights[1])
+    ours = _ours("kto", pref)
+    batch = collate_pairs([_kto_pack(rows)], 0, torch.float32)
+    outputs = ours(**{k: v for k, v in batch.items() if k != "desirable"})
+    kl = ((outputs[0][1::2] - outputs[2][1::2]).mean()).clamp(min=0).detach()
+    terms, stats = objective_terms("kto", pref, outputs, batch["desirable"], kl)
+    loss = terms[0] / len(rows)
+    loss.backward()
+
+    assert (kl.item() > 0) == (seed == 5)  # rows 5: the KL term in play; rows 0: a negative estimate clamped to 0
+    assert loss.item() == pytest.approx(theirs.item(), abs=1e-6)
+    expected, got = _lora_grads(trainer.model), _lora_grads(ours)
+    assert set(expected) == set(got) and len(got) == 28
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    scores = metrics("kto", stats.tolist(), len(rows))
+    assert set(scores) == {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "kl",
+    }
+    for name, value in scores.items():
         assert value == pytest.approx(logged[name], abs=1e-5), name
 
 
@@ -206,3 +284,27 @@ def test_two_workers_take_the_same_preference_step_as_one(tmp_path):
     whole = _step(_ours("orpo", PreferenceArgs()), _rows(), per_micro=4, world=1)
     run_two_ranks(_ddp_worker, str(tmp_path))
     _assert_same(torch.load(tmp_path / "result.pt"), whole)
+
+
+def _kto_packs() -> list[dict]:
+    """Four kto packs of one to three answers, both labels in the step."""
+    return [_kto_pack(_kto_rows(5 + k)[: 1 + k % 3]) for k in range(4)]
+
+
+def _kto_ddp_worker(rank: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    result = _step(_ours("kto", PreferenceArgs()), _kto_packs()[2 * rank : 2 * rank + 2], per_micro=1, world=2)
+    if rank == 0:
+        torch.save(result, f"{folder}/result.pt")
+    dist.destroy_process_group()
+
+
+def test_two_kto_workers_take_the_step_of_one_whose_micro_batches_hold_the_same_packs(tmp_path):
+    # TRL's KL estimate is per micro-batch over every worker: micro-batch k of workers 0 and 1 holds packs k and 2 + k
+    packs = _kto_packs()
+    one = _step(_ours("kto", PreferenceArgs()), [packs[0], packs[2], packs[1], packs[3]], per_micro=2, world=1)
+    assert set(one["metrics"]) == {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                                   "logps/rejected", "kl"}  # fmt: skip
+    run_two_ranks(_kto_ddp_worker, str(tmp_path))
+    _assert_same(torch.load(tmp_path / "result.pt"), one)

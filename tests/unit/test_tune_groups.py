@@ -258,3 +258,6 @@ def test_a_preference_sweep_checks_its_metric_against_the_objective():
     assert "this job trains sft" in found("tune.metric=eval_rewards/accuracies", "tune.mode=max")["tune.metric"]
     assert "set tune.mode=max" in found("train.objective=dpo", "tune.metric=eval_rewards/accuracies")["tune.mode"]
     space.check(load_config(CONFIG, ["train.objective=dpo", "tune.metric=eval_rewards/margins", "tune.mode=max"]))
+    kto = found("train.objective=kto", "tune.metric=eval_rewards/accuracies", "tune.mode=max")["tune.metric"]
+    assert "kto's answers are unpaired: it reports no eval_rewards/accuracies" in kto
+    space.check(load_config(CONFIG, ["train.objective=kto", "tune.metric=eval_rewards/margins", "tune.mode=max"]))
