@@ -19,8 +19,11 @@ Runs, back to back in this process:
   json                    batching on, every request constrained by a JSON schema (response_format), against
                           the same run unconstrained (`on`, run beside it); grammar compile time of a typical
                           tool schema (first use, cached) and the cost of one token's mask
+  prefix                  16 streaming clients, one ~600-token system prompt and a short alpaca question each,
+                          max_tokens 16: time to first token (p50, p99) with the prefix cache
+                          (serve.prefix_cache_mb) against it off, and whether every greedy answer is the same
 
-    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora,prefill,decode,json]
+    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora,prefill,decode,json,prefix]
 """
 
 from __future__ import annotations
@@ -404,6 +407,80 @@ def prefill_run(chunk: int | None, clients: int, long_tokens: int = 4000) -> dic
             "calm_p99_s": p99(calm), "busy_p99_s": p99(busy), "calm_gaps": len(calm), "busy_gaps": len(busy)}  # fmt: skip
 
 
+# The shared system prompt of the `prefix` run: our own words, repeated to about 600 SmolLM2 tokens.
+SYSTEM = " ".join(
+    f"Rule {k}: you are the help desk of a small library. Answer the reader's question in one or two plain sentences, "
+    "say so when you do not know, never invent a book, an author or an opening hour, and keep a friendly tone."
+    for k in range(1, 13)
+)
+
+
+def first_tokens(url: str, model: str, clients: int, n: int, max_tokens: int = 16) -> dict:
+    """``n`` streamed chat requests from ``clients`` threads, each the shared system prompt and one question:
+    time to the first content chunk per request, the answers, and the usage of the last chunk."""
+    qs = questions(n)
+    lock = threading.Lock()
+    ttft, answers, cached, prompt = [], [""] * n, [], []
+    todo = list(range(n))
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            body = {"model": model, "messages": [{"role": "system", "content": SYSTEM}, *qs[i]], "stream": True,
+                    "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+            started, first = time.monotonic(), None
+            with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        with lock:
+                            cached.append(chunk["usage"]["prompt_tokens_details"]["cached_tokens"])
+                            prompt.append(chunk["usage"]["prompt_tokens"])
+                    for choice in chunk.get("choices", []):
+                        text = choice["delta"].get("content") or ""
+                        if text and first is None:
+                            first = time.monotonic() - started
+                        answers[i] += text
+            with lock:
+                ttft.append(first if first is not None else time.monotonic() - started)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    q = statistics.quantiles(ttft, n=100)
+    return {"p50_s": q[49], "p99_s": q[98], "answers": answers, "cached_tokens": sum(cached),
+            "prompt_tokens": sum(prompt), "requests": n}  # fmt: skip
+
+
+def prefix_run(dtype: str, clients: int, n: int, cache_mb: float) -> dict:
+    """`prefix`: our app with ``serve.prefix_cache_mb = cache_mb``; one warm-up request with the system prompt."""
+    import ray
+    from ray import serve
+
+    from raylora.config import from_dict, to_dict
+    from raylora.serve.app import served_name
+    from raylora.serve.launch import APP_NAME, start
+
+    cfg = to_dict(_config(dtype, 16))
+    cfg["serve"]["prefix_cache_mb"] = cache_mb
+    cfg = from_dict(cfg)
+    url = start(cfg)
+    first_tokens(url, served_name(cfg), 1, 2)  # warm-up: the system prompt is seen before, as in a running service
+    out = first_tokens(url, served_name(cfg), clients, n)
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    ray.shutdown()
+    return out
+
+
 def decode_speed(lengths=(64, 2048)) -> dict:
     """Decode tokens/s of the engine alone at batch 1 (end of sequence ignored), over each answer length."""
     from raylora.config import ModelArgs
@@ -441,7 +518,9 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--quantization", default="w8a8-smoothquant", choices=("none", "w8a8", "w8a8-smoothquant"))
-    p.add_argument("--runs", default="on,off,quant,hf,lora,prefill,decode,json", help="which runs, comma-separated")
+    p.add_argument(
+        "--runs", default="on,off,quant,hf,lora,prefill,decode,json,prefix", help="which runs, comma-separated"
+    )
     p.add_argument("--prefill-chunk", type=int, default=64, help="serve.max_prefill_tokens of the chunked run")
     args = p.parse_args()
     n, c = args.requests, args.clients
@@ -454,6 +533,7 @@ def main() -> None:
     runs["prefill"] = lambda: {"on": prefill_run(args.prefill_chunk, c), "off": prefill_run(None, c)}
     runs["decode"] = decode_speed
     runs["json"] = lambda: structured(args.dtype, c, n)
+    runs["prefix"] = lambda: {"off": prefix_run(args.dtype, c, n, 0), "on": prefix_run(args.dtype, c, n, 64)}
     wanted = args.runs.split(",")
     results = {}
     for key in wanted:
@@ -463,6 +543,7 @@ def main() -> None:
     prefill = results.pop("prefill", None)
     decode = results.pop("decode", None)
     constrained = results.pop("json", None)
+    prefix = results.pop("prefix", None)
 
     print(f"\n{c} concurrent clients, 64-token answers, SmolLM2-135M-Instruct, {args.dtype}\n")
     print("| server | generated tok/s | p50 s | p99 s | peak memory MiB | requests |\n|---|---|---|---|---|---|")
@@ -514,6 +595,16 @@ def main() -> None:
               f"llguidance: tokenizer {constrained['tokenizer_s']:.2f} s once per replica; a 4-argument tool's grammar "
               f"compiles in {1000 * constrained['compile_first_s']:.1f} ms, {1000 * constrained['compile_cached_s']:.3f} "
               f"ms cached; one token's mask {1000 * constrained['mask_s']:.3f} ms")  # fmt: skip
+    if prefix:
+        off, on = prefix["off"], prefix["on"]
+        same = sum(a == b for a, b in zip(off["answers"], on["answers"], strict=True))
+        print(f"\nshared prefix: {c} streaming clients, {on['requests']} requests, a {on['prompt_tokens'] // on['requests']}"
+              f"-token prompt on average, the system prompt shared; time to first token\n"
+              f"| prefix cache | p50 s | p99 s | cached prompt tokens |\n|---|---|---|---|\n"
+              f"| off | {off['p50_s']:.3f} | {off['p99_s']:.3f} | {off['cached_tokens']} of {off['prompt_tokens']} |\n"
+              f"| on (64 MB) | {on['p50_s']:.3f} | {on['p99_s']:.3f} | {on['cached_tokens']} of {on['prompt_tokens']} |\n"
+              f"off / on: p50 {off['p50_s'] / on['p50_s']:.2f}x, p99 {off['p99_s'] / on['p99_s']:.2f}x (target >= 3); "
+              f"greedy answers the same: {same} of {len(on['answers'])}")  # fmt: skip
     if decode:
         a, b = sorted(decode)
         print(f"\ndecode, batch 1: {decode[a]:.1f} tok/s over {a} tokens, {decode[b]:.1f} tok/s over {b} tokens "

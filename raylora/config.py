@@ -302,6 +302,12 @@ class ServeArgs:
     max_prompt_tokens: int | None = _f(
         None, help="longest prompt accepted, in tokens (None: the model's context); longer ones get 400", min=1
     )
+    prefix_cache_mb: float = _f(
+        64.0,
+        help="keys and values of prompts' first tokens kept per replica, per adapter, for later requests that start "
+        "the same way (blocks of 16 tokens, least recently used out first; 0: off)",
+        min=0,
+    )
     max_tokens: int = _f(
         256, help="generated tokens when a request gives no max_tokens (fewer if the context has less room)", min=1
     )
@@ -316,7 +322,7 @@ class ServeArgs:
 
 # What only serve.engine=hf reads; serve.engine=vllm refuses each one set to anything but its default.
 HF_ENGINE_KEYS = ("engine_threads", "batch_wait_ms", "max_prefill_tokens", "max_prompt_tokens", "adapter_group_size",
-                  "smoothquant_alpha", "calibration_rows", "max_schema_chars")  # fmt: skip
+                  "smoothquant_alpha", "calibration_rows", "max_schema_chars", "prefix_cache_mb")  # fmt: skip
 
 
 @dataclass

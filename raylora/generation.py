@@ -28,6 +28,8 @@ from typing import Protocol
 import torch
 from tokenizers.decoders import DecodeStream
 
+from raylora.prefix_cache import PrefixCache
+
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 
 
@@ -79,6 +81,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (final event)
 
     @property
     def final(self) -> bool:
@@ -89,7 +92,7 @@ def joined(events: list[Event]) -> Event:
     """Consecutive events of one request as one: their text, and the last one's ending."""
     last = events[-1]
     text = "".join(e.text for e in events)
-    return Event(text, last.finish_reason, last.prompt_tokens, last.completion_tokens, last.error)
+    return Event(text, last.finish_reason, last.prompt_tokens, last.completion_tokens, last.error, last.cached_tokens)
 
 
 @dataclass
@@ -101,7 +104,8 @@ class _Seq:
     ids: list[int] = field(default_factory=list)  # generated so far
     text: str = ""  # ``ids`` detokenised
     sent: int = 0  # characters of ``text`` already emitted
-    prefilled: int = 0  # prompt tokens already in ``cache`` (a prompt prefilled in chunks)
+    prefilled: int = 0  # prompt tokens already in ``cache`` (a prompt prefilled in chunks, or found cached)
+    cached: int = 0  # of them, those the prefix cache gave
     cache: object = None
     cancelled: bool = False
     failed: bool = False
@@ -123,6 +127,8 @@ class Engine:
             (None: every prompt is prefilled whole, however long).
         autocast: a context manager factory every forward runs under (``Backend.autocast``, for a model whose frozen
             weights training stored in the autocast dtype); autocast is per thread, so the engine enters it itself.
+        prefix_cache: keeps prompts' keys and values per adapter for later requests that start the same way
+            (:class:`~raylora.prefix_cache.PrefixCache`), or None.
     """
 
     def __init__(
@@ -134,8 +140,10 @@ class Engine:
         threads: int | None = None,
         max_prefill_tokens: int | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.model = model
+        self.prefix_cache = prefix_cache
         self.autocast = autocast
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -204,9 +212,14 @@ class Engine:
                     self._cv.wait_for(lambda: len(self._waiting) >= self.max_batch_size, self.batch_wait_s)
                 calls, self._calls = self._calls, []
                 room = self.max_batch_size - len(self._running) - len(self._prefilling)
-                self._prefilling += self._waiting[:room]
+                admitted = self._waiting[:room]
+                self._prefilling += admitted
                 self._waiting = self._waiting[room:]
                 self._prefilling = [s for s in self._prefilling if not s.cancelled]
+            if self.prefix_cache is not None:
+                for seq in admitted:
+                    seq.cached, seq.cache = self.prefix_cache.match(seq.req.adapter, seq.req.prompt_ids)
+                    seq.prefilled = seq.cached
             for fn, future in calls:
                 try:
                     future.set_result(fn())
@@ -275,6 +288,7 @@ class Engine:
             if end < len(seq.req.prompt_ids):
                 return
             cache, seq.cache = seq.cache, None
+            self._keep_prefix(seq, cache, 0, 0)
         else:
             width = max(len(s.req.prompt_ids) for s in seqs)
             ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
@@ -285,9 +299,16 @@ class Engine:
                 mask[i, width - n :] = 1
             positions = (mask.cumsum(1) - 1).clamp(min=0)
             logits, cache = self._forward(ids, mask, positions, seqs, None)
+            for i, s in enumerate(seqs):
+                self._keep_prefix(s, cache, i, width - len(s.req.prompt_ids))
         with self._cv:
             self._prefilling = [s for s in self._prefilling if s not in seqs]
         self._join(seqs, logits, cache, mask)
+
+    def _keep_prefix(self, seq: _Seq, cache, row: int, start: int) -> None:
+        """Give the prefix cache ``seq``'s prompt blocks (row ``row`` of ``cache``, from column ``start``)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(seq.req.adapter, seq.req.prompt_ids, cache, row, start)
 
     def _join(self, seqs: list[_Seq], logits: torch.Tensor, cache, mask: torch.Tensor) -> None:
         """Sample the first token of freshly prefilled ``seqs`` and add the unfinished ones to the running batch."""
@@ -372,7 +393,7 @@ class Engine:
         delta = seq.text[seq.sent : max(end, seq.sent)]
         seq.sent = max(end, seq.sent)
         if reason is not None:
-            seq.emit(Event(delta, reason, len(seq.req.prompt_ids), len(seq.ids)))
+            seq.emit(Event(delta, reason, len(seq.req.prompt_ids), len(seq.ids), cached_tokens=seq.cached))
         elif delta:
             seq.emit(Event(delta))
         return reason is not None

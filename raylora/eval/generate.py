@@ -24,6 +24,7 @@ from raylora.config import JobConfig, from_dict, to_dict
 from raylora.eval.candidates import Candidate
 from raylora.eval.rows import EvalRow
 from raylora.generation import BASE, Engine, GenRequest, run_all
+from raylora.prefix_cache import sized
 from raylora.serve.bank import AdapterBank
 from raylora.serve.replica import load_serving_model
 
@@ -41,7 +42,8 @@ class Answerer:
         torch.set_num_threads(max(1, round(cfg.eval.cpus_per_actor)))
         threads = cfg.serve.engine_threads or max(1, round(cfg.eval.cpus_per_actor))
         model, tokenizer, quantization = load_serving_model(cfg)
-        self.engine = Engine(model, tokenizer, cfg.serve.max_batch_size, 0, threads, cfg.serve.max_prefill_tokens)
+        self.engine = Engine(model, tokenizer, cfg.serve.max_batch_size, 0, threads, cfg.serve.max_prefill_tokens,
+                             prefix_cache=sized(cfg.serve.prefix_cache_mb, model.config))  # fmt: skip
         bank = AdapterBank(self.engine, model, cfg.serve, bool(quantization))
         for name, path in adapters.items():
             asyncio.run(bank.hold(name, Path(path)))

@@ -245,7 +245,7 @@ class Ingress:
         if gen.tool_choice != "none":
             text, calls = split_calls(text, _names(gen))
             calls = calls[: _most_calls(gen)]
-        use = protocol.usage(last["prompt_tokens"], last["completion_tokens"])
+        use = protocol.usage(last["prompt_tokens"], last["completion_tokens"], last.get("cached_tokens", 0))
         finish = "tool_calls" if calls else last["finish_reason"]
         return protocol.response(rid, gen.model, chat, text, finish, use, calls)
 
@@ -295,7 +295,9 @@ class Ingress:
                     chunk = protocol.chunk(rid, gen.model, chat, None if chat else "", finish)
                     yield protocol.sse(chunk | usage_field)
                     if gen.include_usage:
-                        use = protocol.usage(event["prompt_tokens"], event["completion_tokens"])
+                        use = protocol.usage(
+                            event["prompt_tokens"], event["completion_tokens"], event.get("cached_tokens", 0)
+                        )
                         yield protocol.sse(
                             {**protocol.chunk(rid, gen.model, chat, None, None), "choices": [], "usage": use}
                         )

@@ -81,6 +81,7 @@ class AdapterBank:
         """Engine thread: add adapter ``name`` to the model (idempotent)."""
         if name in self._attached:
             return
+        self._forget_prefixes(name)  # the name's earlier weights may have been other ones
         model = self.engine.model
         config = check_compatible(path, self.base, self.serve.max_lora_rank)
         if config.get("use_dora") and self.quantized:
@@ -100,6 +101,11 @@ class AdapterBank:
             self._attached.add(name)
         log.info("adapter %s loaded from %s", name, path)
 
+    def _forget_prefixes(self, name: str) -> None:
+        """Engine thread: drop adapter ``name``'s cached prompt prefixes."""
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.drop(name)
+
     def _collect(self) -> None:
         """Engine thread: detach every adapter that the LRU does not hold and no request uses."""
         with self._lock:
@@ -112,6 +118,7 @@ class AdapterBank:
         model = self.engine.model
         for name in drop:
             model.delete_adapter(name)
+            self._forget_prefixes(name)
             with self._lock:
                 self._attached.discard(name)
             log.info("adapter %s unloaded", name)

@@ -25,6 +25,7 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation
 from raylora.generation import Engine, Event, GenRequest, joined
 from raylora.models import load_model
+from raylora.prefix_cache import sized
 from raylora.quantize import quantize
 from raylora.registry import AdapterError
 from raylora.serve.adapters import fetch_registered, local_adapter
@@ -79,7 +80,7 @@ class LLMServer:
         self.token_chars = max(len(token) for token in vocab if token)  # the most text one token stands for
         threads = cfg.serve.engine_threads or max(1, round(cfg.serve.cpus_per_replica))
         self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000, threads,
-                             cfg.serve.max_prefill_tokens)  # fmt: skip
+                             cfg.serve.max_prefill_tokens, prefix_cache=sized(cfg.serve.prefix_cache_mb, model.config))  # fmt: skip
         self.root = Path(cfg.serve.adapter_root).resolve()
         self.bank = AdapterBank(self.engine, self.base, cfg.serve, bool(self.quantization))
         self.grammars: Grammars | None = None  # built at the first constrained request

@@ -83,7 +83,8 @@ def test_error_body_is_openais_shape_and_survives_pickling():
 def test_response_and_chunk_shapes():
     r = response("id1", "m", True, "hi", "stop", usage(3, 1))
     assert r["object"] == "chat.completion" and r["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                          "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     first = chunk("id1", "m", True, "h", None, first=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "h"}
     assert chunk("id1", "m", False, "x", "length")["choices"][0] == {

@@ -2,6 +2,7 @@
 
 import asyncio
 import gc
+import shutil
 
 import pytest
 import torch
@@ -95,6 +96,47 @@ def test_an_adapter_loaded_again_while_its_unload_is_queued_stays(replica):
     assert server.info()["adapters"] == ["a"]
     assert _answer(server, ids, "a") == expected["a"]
     again.__del__()
+
+
+def test_an_adapter_loaded_anew_under_its_name_never_reuses_the_old_weights_cached_prefixes(tmp_path):
+    root = tmp_path / "adapters"
+    weights = {}
+    for seed, name in enumerate(("old", "new")):
+        model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        randomise_lora(model, seed, 0.5)
+        model.save_pretrained(tmp_path / name)
+        weights[name] = tmp_path / name
+    shutil.copytree(weights["old"], root / "mine")
+    cfg = from_dict({"model": {"name_or_path": "tiny-llama"}, "serve": {"adapter_root": str(root), "max_adapters": 1},
+                     "backend": {"device": "cpu"}, "tracking": {"enabled": False}})  # fmt: skip
+    server = LLMServer(to_dict(cfg))
+    ids = TOK(
+        "A long system prompt that many requests share, then a question. " * 3, add_special_tokens=False
+    ).input_ids
+    expected = {}
+    for name, path in weights.items():
+        model = PeftModel.from_pretrained(tiny_model("llama"), str(path)).eval()
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        expected[name] = answer_text(TOK, out[0, len(ids) :].tolist())
+    assert expected["old"] != expected["new"]
+
+    def ask():
+        return wait_for(server.engine, GenRequest(ids, "mine", max_tokens=8, temperature=0), timeout_s=60)
+
+    try:
+        held = asyncio.run(server._load("mine"))
+        first, second = ask(), ask()
+        assert first.text == second.text == expected["old"] and first.cached_tokens == 0 < second.cached_tokens
+        held.__del__()  # evicted and unloaded; the adapter is then published again with other weights
+        server.engine.call(lambda: None).result(10)
+        shutil.rmtree(root / "mine")
+        shutil.copytree(weights["new"], root / "mine")
+        held = asyncio.run(server._load("mine"))
+        third = ask()
+        assert third.text == expected["new"] and third.cached_tokens == 0
+        held.__del__()
+    finally:
+        server.engine.stop()
 
 
 def test_prompts_past_the_limits_are_refused_and_default_max_tokens_fits_the_context(replica):
