@@ -33,6 +33,19 @@ from raylora.prefix_cache import PrefixCache
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 
 
+class Observer(Protocol):
+    """What the engine tells about its work (:class:`raylora.serve.metrics.ServingMetrics` exports it to Ray's
+    metrics); every call comes from the engine thread."""
+
+    def queue(self, running: int, waiting: int) -> None: ...
+
+    def token(self, seconds: float, first: bool) -> None: ...
+
+    def finished(self, prompt_tokens: int, generated_tokens: int) -> None: ...
+
+    def prefix(self, queried: int, hit: int, cached_bytes: int) -> None: ...
+
+
 class Constraint(Protocol):
     """What the engine asks of a constrained request (:class:`raylora.serve.structured.Constraint`)."""
 
@@ -106,6 +119,8 @@ class _Seq:
     sent: int = 0  # characters of ``text`` already emitted
     prefilled: int = 0  # prompt tokens already in ``cache`` (a prompt prefilled in chunks, or found cached)
     cached: int = 0  # of them, those the prefix cache gave
+    submitted: float = field(default_factory=time.monotonic)
+    last: float = 0.0  # when the last token was emitted (0: none yet)
     cache: object = None
     cancelled: bool = False
     failed: bool = False
@@ -129,6 +144,7 @@ class Engine:
             weights training stored in the autocast dtype); autocast is per thread, so the engine enters it itself.
         prefix_cache: keeps prompts' keys and values per adapter for later requests that start the same way
             (:class:`~raylora.prefix_cache.PrefixCache`), or None.
+        observer: told of the queue, each token's latency, each finished request and each prefix lookup, or None.
     """
 
     def __init__(
@@ -141,9 +157,10 @@ class Engine:
         max_prefill_tokens: int | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         prefix_cache: PrefixCache | None = None,
+        observer: Observer | None = None,
     ):
         self.model = model
-        self.prefix_cache = prefix_cache
+        self.prefix_cache, self.observer = prefix_cache, observer
         self.autocast = autocast
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -220,6 +237,10 @@ class Engine:
                 for seq in admitted:
                     seq.cached, seq.cache = self.prefix_cache.match(seq.req.adapter, seq.req.prompt_ids)
                     seq.prefilled = seq.cached
+                    if self.observer is not None:
+                        self.observer.prefix(len(seq.req.prompt_ids), seq.cached, self.prefix_cache.bytes)
+            if self.observer is not None:
+                self.observer.queue(len(self._running) + len(self._prefilling), len(self._waiting))
             for fn, future in calls:
                 try:
                     future.set_result(fn())
@@ -363,6 +384,10 @@ class Engine:
 
     def _advance(self, seq: _Seq, token: int) -> bool:
         """Record ``token`` for ``seq`` and send the text that is final; returns whether ``seq`` finished."""
+        if self.observer is not None:
+            now = time.monotonic()
+            self.observer.token(now - (seq.last or seq.submitted), first=not seq.last)
+            seq.last = now
         stops, constraint = seq.req.stop, seq.req.constraint
         if constraint is not None:
             constraint.accept(token)
@@ -394,6 +419,8 @@ class Engine:
         seq.sent = max(end, seq.sent)
         if reason is not None:
             seq.emit(Event(delta, reason, len(seq.req.prompt_ids), len(seq.ids), cached_tokens=seq.cached))
+            if self.observer is not None:
+                self.observer.finished(len(seq.req.prompt_ids), len(seq.ids))
         elif delta:
             seq.emit(Event(delta))
         return reason is not None

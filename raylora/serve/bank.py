@@ -35,10 +35,11 @@ class AdapterBank:
     Args:
         serve: the serving settings (``max_lora_rank``, ``adapter_bits``, ``adapter_group_size``, ``quantization``).
         quantized: the base holds int8 weights (DoRA is refused on them).
+        metrics: told of each load and unload (:class:`~raylora.serve.metrics.ServingMetrics`), or None.
     """
 
-    def __init__(self, engine: Engine, base: torch.nn.Module, serve: ServeArgs, quantized: bool):
-        self.engine, self.base, self.serve, self.quantized = engine, base, serve, quantized
+    def __init__(self, engine: Engine, base: torch.nn.Module, serve: ServeArgs, quantized: bool, metrics=None):
+        self.engine, self.base, self.serve, self.quantized, self.metrics = engine, base, serve, quantized, metrics
         self._held: set[str] = set()  # adapters Serve's LRU holds
         self._attached: set[str] = set()  # adapters in the model; changed on the engine thread only
         self._pinned: Counter[str] = Counter()  # requests between loading their adapter and reaching the engine
@@ -99,6 +100,9 @@ class AdapterBank:
         stack_adapters(model)
         with self._lock:
             self._attached.add(name)
+            count = len(self._attached)
+        if self.metrics is not None:
+            self.metrics.adapter(True, count)
         log.info("adapter %s loaded from %s", name, path)
 
     def _forget_prefixes(self, name: str) -> None:
@@ -121,6 +125,9 @@ class AdapterBank:
             self._forget_prefixes(name)
             with self._lock:
                 self._attached.discard(name)
+                count = len(self._attached)
+            if self.metrics is not None:
+                self.metrics.adapter(False, count)
             log.info("adapter %s unloaded", name)
         if self._attached:
             stack_adapters(model)

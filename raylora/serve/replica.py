@@ -30,6 +30,7 @@ from raylora.quantize import quantize
 from raylora.registry import AdapterError
 from raylora.serve.adapters import fetch_registered, local_adapter
 from raylora.serve.bank import AdapterBank
+from raylora.serve.metrics import ServingMetrics
 from raylora.serve.protocol import ApiError
 from raylora.serve.structured import Grammars, grammar
 from raylora.tracking import tracking_uri
@@ -79,10 +80,12 @@ class LLMServer:
         vocab = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         self.token_chars = max(len(token) for token in vocab if token)  # the most text one token stands for
         threads = cfg.serve.engine_threads or max(1, round(cfg.serve.cpus_per_replica))
+        self.metrics = ServingMetrics(cfg.model.name_or_path)
         self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000, threads,
-                             cfg.serve.max_prefill_tokens, prefix_cache=sized(cfg.serve.prefix_cache_mb, model.config))  # fmt: skip
+                             cfg.serve.max_prefill_tokens, prefix_cache=sized(cfg.serve.prefix_cache_mb, model.config),
+                             observer=self.metrics)  # fmt: skip
         self.root = Path(cfg.serve.adapter_root).resolve()
-        self.bank = AdapterBank(self.engine, self.base, cfg.serve, bool(self.quantization))
+        self.bank = AdapterBank(self.engine, self.base, cfg.serve, bool(self.quantization), self.metrics)
         self.grammars: Grammars | None = None  # built at the first constrained request
 
         async def adapter(name: str) -> _Held:  # Serve keeps its LRU on a function, not on a bound method
