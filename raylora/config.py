@@ -199,6 +199,10 @@ class PreferenceArgs:
         min=0.0, lt=0.5,
     )  # fmt: skip
     gamma: float = _f(0.5, help="simpo: target reward margin over beta (TRL's simpo_gamma)", min=0.0)
+    sft_weight: float = _f(
+        0.0, help="dpo: weight of the chosen answers' cross-entropy per token added to the loss (RPO; TRL's "
+        "loss_type [sigmoid, sft] with loss_weights [1, w]): anchors the chosen answers' likelihood", min=0.0,
+    )  # fmt: skip
     desirable_weight: float = _f(
         1.0, help="kto: weight of the desirable answers' losses (KTO's paper: keep desirable_weight x their count "
         "over undesirable_weight x theirs in [1, 4/3])", gt=0,

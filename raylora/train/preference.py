@@ -16,7 +16,7 @@ reference's (TRL's ``DPOTrainer``, ``CPOTrainer`` with ``loss_type="simpo"`` and
 - dpo, ipo: the same ``z`` on length-averaged log-probabilities; ``(z - 1 / (2 beta))^2``
 - simpo (averaged): ``z = c - r - gamma / beta``; ``-(1 - ls) logsigmoid(beta z) - ls logsigmoid(-beta z)``
 - orpo (averaged): ``-beta logsigmoid((c - r) - (log(1 - e^c) - log(1 - e^r)))``, plus the chosen answers'
-  cross-entropy per token.
+  cross-entropy per token; dpo adds that cross-entropy times ``sft_weight`` (RPO, TRL's ``sft`` loss type).
 - kto: with ``a`` / ``a0`` the policy's / reference's log-probability of an answer and ``kl`` the batch's mean
   log-ratio on the mismatched sequences (over every worker, detached, at least 0): ``w_d (1 - sigmoid(beta (a - a0 -
   kl)))`` for a desirable answer, ``w_u (1 - sigmoid(beta (kl - a + a0)))`` for an undesirable one; the loss is the
@@ -114,7 +114,7 @@ def objective_terms(
 
     Returns:
         ``terms`` = (the units' losses summed, the chosen answers' cross-entropy summed over their tokens: ORPO's
-        second term, 0 otherwise) and the sums :func:`metrics` reads (:data:`STATS` of the pairs; for kto, the
+        second term, and DPO's times ``preference.sft_weight``; 0 otherwise) and the sums :func:`metrics` reads (:data:`STATS` of the pairs; for kto, the
         desirable and undesirable answers' rewards and log-probabilities, their counts, the KL estimate and 1).
     Args:
         desirable, kl: kto only: each unit's label, and the KL estimate (:func:`kl_parts`, reduced over workers).
@@ -132,7 +132,8 @@ def objective_terms(
     losses, chosen_rewards, rejected_rewards, chosen, rejected = pair_losses(
         objective, pref, (logps[0::2], tokens[0::2]), (logps[1::2], tokens[1::2]), pairs
     )
-    nll = -logps[0::2].sum() if objective == "orpo" else logps.new_zeros(())
+    weight = 1.0 if objective == "orpo" else pref.sft_weight if objective == "dpo" else 0.0
+    nll = -weight * logps[0::2].sum() if weight else logps.new_zeros(())
     margins = (chosen_rewards - rejected_rewards).detach()
     stats = torch.stack([chosen_rewards.detach().sum(), rejected_rewards.detach().sum(), margins.sum(),
                          (margins > 0).float().sum(), chosen.detach().sum(), rejected.detach().sum()])  # fmt: skip

@@ -74,25 +74,30 @@ def _lora_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sigmoid+sft"])
 @pytest.mark.parametrize("chunked", [True, False])
 def test_dpo_equals_trls_dpo_trainer_in_loss_gradients_and_metrics(tmp_path, loss_type, chunked):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
     pairs = _pairs()
-    args = DPOConfig(output_dir=str(tmp_path), beta=0.1, loss_type=[loss_type], report_to=[], use_cpu=True,
-                     bf16=False, per_device_train_batch_size=2)  # fmt: skip
+    sft = 0.5 if loss_type.endswith("+sft") else 0.0  # RPO: TRL's loss types [sigmoid, sft] weighted [1, 0.5]
+    kind = loss_type.split("+")[0]
+    losses = {"loss_type": [kind, "sft"], "loss_weights": [1.0, sft]} if sft else {"loss_type": [kind]}
+    args = DPOConfig(output_dir=str(tmp_path), beta=0.1, report_to=[], use_cpu=True, bf16=False,
+                     per_device_train_batch_size=2, **losses)  # fmt: skip
     tiny = Dataset.from_list([{"prompt": "a b", "chosen": " c", "rejected": " d"}] * 2)  # TRL wants one; unused
     trainer = DPOTrainer(model=_peft(), args=args, train_dataset=tiny, processing_class=tiny_tokenizer())
     trainer.model.delete_adapter("ref")  # TRL copies a trained adapter as the reference; ours is the base
     theirs = trainer.compute_loss(trainer.model, trainer.data_collator(pairs))
     theirs.backward()
 
-    pref = PreferenceArgs(beta=0.1, loss_type=loss_type)
+    pref = PreferenceArgs(beta=0.1, loss_type=kind, sft_weight=sft)
     ours = _ours("dpo", pref, chunked)
-    terms, stats = objective_terms("dpo", pref, ours(**collate_pairs([_row(pairs)], 0, torch.float32)))
-    loss = terms[0] / len(pairs)
+    batch = collate_pairs([_row(pairs)], 0, torch.float32)
+    terms, stats = objective_terms("dpo", pref, ours(**batch))
+    chosen_tokens = sum(len(p["chosen_ids"]) for p in pairs)
+    loss = terms[0] / len(pairs) + terms[1] / chosen_tokens
     loss.backward()
 
     assert loss.item() == pytest.approx(theirs.item(), abs=1e-5)
