@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from raylora.config import JobConfig, to_dict
 
 LORA_SHAPE = ("rank", "alpha", "target_modules", "use_rslora", "use_dora")
-# SAVE_NOTE: adapters are saved with save_embedding_layers=False. raylora never trains or resizes embeddings, and
-# peft's "auto" looks the recorded base (a Hub id) up on the Hub at every save to find out.
+# SAVE_NOTE: adapters are saved (and snapshot for rollback) with save_embedding_layers=False. raylora never trains or
+# resizes embeddings, and peft's "auto" looks the recorded base (a Hub id) up on the Hub at every save to find out.
 CHECKPOINT_FILES = ("meta.json", "state.pt", "history.json", "adapter/adapter_model.safetensors")
 
 
@@ -213,7 +213,7 @@ def snapshot(model, optimizer, scheduler, scaler, state: TrainState, adapter: st
 
     return copy.deepcopy(
         {
-            "adapter": get_peft_model_state_dict(model, adapter_name=adapter),
+            "adapter": get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False),  # SAVE_NOTE
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),

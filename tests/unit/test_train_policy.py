@@ -80,3 +80,21 @@ def test_losses_are_per_label_token_after_the_first_and_a_model_with_none_gets_n
     assert label_tokens(rows) == 3  # each row's first label has no prediction
     scores = eval_scores(torch.tensor([[6.0, 3.0], [1.0, 0.0]], dtype=torch.float64), world=1, replicated=False)
     assert scores == [{"eval_loss": 2.0, "eval_perplexity": pytest.approx(math.exp(2.0))}, {}]
+
+
+def test_the_rollback_snapshot_never_looks_the_base_up_on_the_hub(monkeypatch):
+    # peft's get_peft_model_state_dict asks the Hub whether the recorded base has a config (save_embedding_layers
+    # "auto"): a network call at every checkpoint of an offline run, and a DNS wait where there is no network
+    from peft.utils import save_and_load
+
+    from raylora.train.checkpoint import TrainState, snapshot
+
+    asked = []
+    monkeypatch.setattr(save_and_load, "check_file_exists_on_hf_hub", lambda *a, **k: asked.append(a))
+    model = attach_lora(tiny_model("llama"), LoraArgs(rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"]))
+    model.peft_config["default"].base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    saved = snapshot(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), TrainState())
+    assert asked == []
+    assert len(saved["adapter"]) == 2 * 7 * 2  # lora_A and lora_B of the 7 linear layers of each of 2 layers
