@@ -45,7 +45,7 @@ import yaml
 
 from raylora.cluster import stop_cluster
 from raylora.config import ConfigError, JobConfig, to_dict
-from raylora.ports import free_port, port_holder
+from raylora.ports import free_port, port_holder, reserve
 from raylora.tracking import tracking_uri
 from raylora.tune import space
 
@@ -135,6 +135,7 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
         with timer.stage("prepare") as stage_log:
             run_logged([_bin("raylora"), "prepare", str(job)], stage_log, env, log)
         with timer.stage("train") as stage_log:
+            reserve(cfg.serve.port)  # the serve stage binds it after the cluster has taken its ports
             cluster = start_cluster(temp_dir, env, stage_log, log)
             log(f"  Ray dashboard: {cluster['dashboard']}")
             submit(cluster["dashboard"], ["jobs/train.py", str(job), f"train.output_dir={out / 'train'}"],

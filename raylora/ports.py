@@ -27,7 +27,13 @@ def port_holder(host: str, port: int) -> str | None:
     return "another process"
 
 
-_GIVEN: set[int] = set()  # ports free_port has handed out in this process
+_GIVEN: set[int] = set()  # ports free_port has handed out (or was told to keep off) in this process
+
+
+def reserve(port: int) -> None:
+    """Keep ``free_port`` off ``port`` in this process: a port a later step binds (the demo's serve port, picked by
+    whoever started the demo, must not go to the Ray cluster the demo starts first)."""
+    _GIVEN.add(port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

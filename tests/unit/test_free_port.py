@@ -1,8 +1,10 @@
 """free_port: ports outside the kernel's ephemeral range, where Ray's own processes bind theirs."""
 
+import random
 import socket
 
-from raylora.ports import free_port
+from raylora import ports
+from raylora.ports import free_port, reserve
 
 
 def test_ports_are_bindable_distinct_and_below_the_ephemeral_range():
@@ -30,3 +32,13 @@ def test_a_held_port_is_never_handed_out():
     finally:
         for s in held:
             s.close()
+
+
+def test_a_reserved_port_is_never_handed_out(monkeypatch):
+    # the demo's serve port, chosen by its caller in another process, went to the demo's Ray cluster once
+    port = free_port() + 1
+    while port in ports._GIVEN:
+        port += 1
+    reserve(port)
+    monkeypatch.setattr(random.Random, "sample", lambda self, population, k: [port, port + 1])
+    assert free_port() == port + 1
