@@ -43,4 +43,3 @@ def test_the_engine_reports_its_queue_latencies_requests_and_prefix_lookups():
     assert [(q, h) for q, h, _ in seen.lookups] == [(len(prompt), 0)] + [(len(prompt), cached)] * 3
     assert seen.lookups[-1][2] > 0  # the cache's bytes
     assert max(r for r, _ in seen.queues) == 2 and max(w for _, w in seen.queues) <= 1  # a batch of 2: 1 waits
-
