@@ -56,6 +56,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from train_throughput import launch  # noqa: E402  (the same child-process runner)
+
 CONFIG = ROOT / "configs" / "smollm2_dpo_cpu.yaml"
 # --size tiny: the same job on the 2-layer random Llama (a smoke run of this script, seconds a step)
 TINY = ["model.name_or_path=tiny-llama", "data.cutoff_len=512"]
@@ -221,21 +225,6 @@ def child(spec: dict) -> dict:
     return run_ours(spec["size"], spec["steps"], spec["tmp"], spec["extra"])
 
 
-def launch(spec: dict) -> dict:
-    """Run one side in its own process; returns its figures (the last line it prints)."""
-    started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{spec} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["wall_s"] = time.perf_counter() - started
-    path = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "training path:" in line]
-    result["path"] = path[-1].split("training path:", 1)[1].strip() if path else ""
-    return result
-
-
 def effect(size: str, adapter: str, tmp: str) -> dict:
     """`raylora eval` of base and ``adapter`` on the held-out prompts (chosen answers as references): each
     candidate's count by the counting rule, its `contains` mean and a few answers."""
@@ -291,13 +280,13 @@ def bench(
     Path(tmp).mkdir(parents=True, exist_ok=True)
     try:
         name = f"raylora train ({cfg.train.objective}{', ' + ' '.join(extra) if extra else ''})"
-        ours = runs[name] = launch({"side": "ours", "size": size, "steps": steps, "tmp": tmp, "extra": extra})
+        ours = runs[name] = launch({"side": "ours", "size": size, "steps": steps, "tmp": tmp, "extra": extra}, __file__)
         print(f"  done: ours: {json.dumps(ours)}", flush=True)
         batch = trl_batch or max(1, round(ours["pairs_per_step"]))
         for checkpointing in trl:
             name = f"TRL DPOTrainer + peft, bf16, gradient_checkpointing={'on' if checkpointing else 'off'}"
             runs[name] = launch({"side": "trl", "size": size, "steps": steps, "batch": batch,
-                                 "checkpointing": checkpointing, "tmp": tmp})  # fmt: skip
+                                 "checkpointing": checkpointing, "tmp": tmp}, __file__)  # fmt: skip
             print(f"  done: {name}: {json.dumps(runs[name])}", flush=True)
         load_after = os.getloadavg()
         judged = effect(size, ours["adapter"], tmp) if run_effect else None

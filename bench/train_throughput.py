@@ -192,11 +192,12 @@ def child(spec: dict) -> dict:
     return run_ours(spec["size"], spec["steps"], spec["recompute"], spec["compile"], spec["tmp"], spec["profile"])
 
 
-def launch(spec: dict) -> dict:
-    """Run one side in its own process; returns its figures (the last line it prints)."""
+def launch(spec: dict, script: str = __file__) -> dict:
+    """Run one side in its own process (``script --child SPEC``: this bench's, or bench/preference.py's); returns
+    its figures (the last line it prints)."""
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT
     )
     if done.returncode != 0:
         raise SystemExit(f"{spec} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")

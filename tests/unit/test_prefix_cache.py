@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from test_generation import _adapters  # the same two random adapters, a and b
 
 from raylora.generation import Engine, GenRequest, answer_text, wait_for
 from raylora.model_files import tiny_tokenizer
-from raylora.models import randomise_lora, tiny_model
+from raylora.models import tiny_model
 from raylora.prefix_cache import BLOCK, PrefixCache
 
 TOK = tiny_tokenizer()
@@ -64,18 +64,8 @@ def test_answers_are_the_same_with_the_cache_on_and_off(chunk):
     assert cache.hits == len(prompts) and cache.tokens_saved == sum(r.cached_tokens for r in rest)
 
 
-def _two_adapters(tmp_path) -> PeftModel:
-    for seed, name in enumerate(["a", "b"]):
-        model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-        randomise_lora(model, seed, 0.5)
-        model.save_pretrained(tmp_path / name)
-    model = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "a"), adapter_name="a")
-    model.load_adapter(str(tmp_path / "b"), adapter_name="b")
-    return model.eval()
-
-
 def test_adapters_never_share_cached_prefixes(tmp_path):
-    model = _two_adapters(tmp_path)
+    model = _adapters(tmp_path)
     ids = _ids(SYSTEM + QUESTIONS[0])
     expected = {name: _solo(model, ids, 10, name) for name in ("a", "b")}
     with model.disable_adapter():
