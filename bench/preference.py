@@ -17,12 +17,14 @@ weight decay and seed; the same number of optimizer steps. TRL's batch is the nu
 (its train pairs over its packs, times train.batch_size, rounded; --trl-batch overrides it); TRL's max_length is
 data.cutoff_len. Each run is its own process.
 
-Figures per run: real (non-padding) tokens per second of training (ours: the packs' num_tokens, as history.json's
-tokens_per_s counts them; TRL: the non-padding tokens of the chosen and rejected sequences its collator built for
-each step), steady (after the first step) and over the whole run; peak resident memory of the training process
+Figures per run: pairs trained per second (ours: the pairs each step trained, history.json's `pairs`; TRL: its batch),
+the speed that compares, and real (non-padding) tokens per second of training (ours: the packs' num_tokens, as
+history.json's tokens_per_s counts them, each prompt once: prefix sharing; TRL: the non-padding tokens of the chosen
+and rejected sequences its collator built for each step, each prompt twice), steady (after the first step) and over
+the whole run; peak resident memory of the training process
 (ours: the Ray worker's peak_memory_mb in history.json; TRL: its process's ru_maxrss, read right after training);
 eval reward accuracy (and margin, loss) on the held-out pairs after the same steps (ours: eval_rewards/accuracies in
-history.json; TRL: `trainer.evaluate()` on those pairs); the ratios ours / TRL: tokens/s against the faster TRL run,
+history.json; TRL: `trainer.evaluate()` on those pairs); the ratios ours / TRL: pairs/s against the faster TRL run,
 memory against the leaner one. The load averages before and after are printed: quote figures only with them.
 
 The effect. Counting rule, fixed before any run: an answer counts when it contains "Raylora Assistant" or
@@ -141,7 +143,9 @@ def run_ours(size: str, steps: int, tmp: str, extra: list[str]) -> dict:
     return {
         "tokens_per_s": last["tokens_per_s"], "tokens": last["tokens"], "peak_mb": last["peak_memory_mb"],
         "steady_tokens_per_s": (last["tokens"] - history[0]["tokens"]) / (clock[-1] - clock[0]),
-        "pairs_per_step": train["pairs"] / train["packs"] * cfg.train.batch_size, "tokens_per_step": last["tokens"] / steps,
+        "pairs_per_s": sum(h["pairs"] for h in history) / clock[-1],
+        "steady_pairs_per_s": sum(h["pairs"] for h in history[1:]) / (clock[-1] - clock[0]),
+        "pairs_per_step": sum(h["pairs"] for h in history) / steps, "tokens_per_step": last["tokens"] / steps,
         "eval_accuracy": last["eval_rewards/accuracies"], "eval_margin": last["eval_rewards/margins"],
         "eval_loss": last["eval_loss"], "train_loss": last["loss"], "adapter": result["adapter"],
         "train_accuracy": last.get("rewards/accuracies"), "train_pairs": train["pairs"],
@@ -211,6 +215,7 @@ def run_trl(size: str, steps: int, batch: int, checkpointing: bool, tmp: str) ->
     return {
         "tokens": sum(real), "tokens_per_s": sum(real) / seconds,
         "steady_tokens_per_s": sum(real[1:]) / (ends[-1] - ends[0]), "peak_mb": peak_mb,
+        "pairs_per_s": batch * steps / seconds, "steady_pairs_per_s": batch * (steps - 1) / (ends[-1] - ends[0]),
         "padding": 1 - sum(real) / sum(slots), "pairs_per_step": batch, "tokens_per_step": sum(real) / steps,
         "eval_accuracy": scores["eval_rewards/accuracies"], "eval_margin": scores["eval_rewards/margins"],
         "eval_loss": scores["eval_loss"], "threads": torch.get_num_threads(),
@@ -299,12 +304,14 @@ def bench(
           f"(2 x {batch} padded sequences), max_length {cfg.data.cutoff_len}")  # fmt: skip
     pairs = ", ".join(f"{n}: {r['train_pairs']} / {r['eval_pairs']}" for n, r in runs.items())
     print(f"pairs trained on / held out: {pairs}")
-    print("real tokens/s: steady = after the first step; all = the whole training loop")
-    print("| run | pairs/step | real tokens/step | real tokens/s steady (all) | peak memory | "
+    print("steady = after the first step; all = the whole training loop; real tokens: the tokens each side computes "
+          "(ours compute each prompt once, TRL twice), so pairs/s is what compares")  # fmt: skip
+    print("| run | pairs/step | real tokens/step | pairs/s steady (all) | real tokens/s steady (all) | peak memory | "
           "eval reward accuracy | eval margin | eval rewards chosen / rejected | eval loss | wall s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
-        print(f"| {name} | {r['pairs_per_step']:.2f} | {r['tokens_per_step']:.0f} | {r['steady_tokens_per_s']:.0f} "
+        print(f"| {name} | {r['pairs_per_step']:.2f} | {r['tokens_per_step']:.0f} | {r['steady_pairs_per_s']:.2f} "
+              f"({r['pairs_per_s']:.2f}) | {r['steady_tokens_per_s']:.0f} "
               f"({r['tokens_per_s']:.0f}) | {r['peak_mb'] / 1024:.2f} GB | {r['eval_accuracy']:.1%} | "
               f"{r['eval_margin']:.3f} | {r['eval_chosen']:+.3f} / {r['eval_rejected']:+.3f} | {r['eval_loss']:.4f} | "
               f"{r['wall_s']:.0f} |")  # fmt: skip
@@ -316,9 +323,9 @@ def bench(
     if baselines:
         padding = ", ".join(f"{r['padding']:.0%}" for r in baselines)
         print(f"padding in TRL's batches: {padding}")
-        for key, what in (("steady_tokens_per_s", "steady"), ("tokens_per_s", "whole run")):
+        for key, what in (("steady_pairs_per_s", "steady"), ("pairs_per_s", "whole run")):
             faster = max(r[key] for r in baselines)
-            print(f"speed ({what}): ours / faster TRL = {ours[key] / faster:.2f}x (target >= 2.0x)")
+            print(f"speed, pairs/s ({what}): ours / faster TRL = {ours[key] / faster:.2f}x (target >= 2.0x)")
         leaner = min(r["peak_mb"] for r in baselines)
         print(f"memory: ours / leaner TRL = {ours['peak_mb'] / leaner:.2f}x (target <= 0.5x)")
         gaps = ", ".join(f"{100 * (ours['eval_accuracy'] - r['eval_accuracy']):+.1f}" for r in baselines)

@@ -13,22 +13,31 @@ import torch
 from raylora.data.encode import IGNORE_INDEX
 
 
-def block_causal_mask(seq_lens: list[list[int]], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def block_causal_mask(
+    seq_lens: list[list[int]], width: int, dtype: torch.dtype = torch.float32, shared: list[list[int]] | None = None
+) -> torch.Tensor:
     """Additive attention mask of shape (B, 1, width, width): 0 where a token may attend, dtype-min elsewhere.
 
-    Token i attends to token j when both lie in the same example and j <= i. Padding positions
-    attend only to themselves, so no row is fully masked (which would give NaN).
+    Token i attends to token j when both lie in the same example and j <= i, and, with ``shared`` (each example's
+    count of leading tokens of the example before it that it reads: a preference pair's prompt), to those tokens
+    too. Padding positions attend only to themselves, so no row is fully masked (which would give NaN).
     """
     segment = torch.full((len(seq_lens), width), -1, dtype=torch.long)
+    offset = torch.zeros((len(seq_lens), width), dtype=torch.long)  # a token's place in its example
+    reach = torch.zeros((len(seq_lens), width), dtype=torch.long)  # its example's shared count
     for row, lens in enumerate(seq_lens):
         start = 0
         for k, n in enumerate(lens):
             segment[row, start : start + n] = k
+            offset[row, start : start + n] = torch.arange(n)
+            reach[row, start : start + n] = shared[row][k] if shared else 0
             start += n
     same = segment[:, :, None] == segment[:, None, :]
     real = (segment[:, :, None] >= 0) & same
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     allowed = (real & causal) | torch.eye(width, dtype=torch.bool)
+    before = (segment[:, :, None] - 1 == segment[:, None, :]) & (segment[:, None, :] >= 0)
+    allowed |= before & (offset[:, None, :] < reach[:, :, None])
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
@@ -43,37 +52,57 @@ def segment_bounds(seq_lens: list[list[int]], width: int) -> torch.Tensor:
     padded to a ``data.cutoff_len`` over 512, as a grouped sweep pads) would send the whole batch to the
     per-example path of :mod:`raylora.ops.packed_attention`, which takes a batch in one call only when no segment
     is longer than 512 tokens."""
-    bounds = [0]
+    return torch.tensor([0, *(end for end, _ in _segments(seq_lens, width))], dtype=torch.int32)
+
+
+def segment_shared(seq_lens: list[list[int]], shared: list[list[int]], width: int) -> torch.Tensor:
+    """Each segment of :func:`segment_bounds`, its ``shared`` count (the leading tokens of the segment before it
+    that it reads), int32; padding's are 0."""
+    counts = [n for row, lens in enumerate(seq_lens) for n in [*shared[row], *[0] * _padding(lens, width)]]
+    return torch.tensor(counts, dtype=torch.int32)
+
+
+def _segments(seq_lens: list[list[int]], width: int):
+    """Each segment's end over the flattened tokens, and its row."""
     for row, lens in enumerate(seq_lens):
         end = row * width
         for n in lens:
             end += n
-            bounds.append(end)
+            yield end, row
         while end < (row + 1) * width:
             end = min(end + PAD_SEGMENT, (row + 1) * width)
-            bounds.append(end)
-    return torch.tensor(bounds, dtype=torch.int32)
+            yield end, row
+
+
+def _padding(lens: list[int], width: int) -> int:
+    """How many padding segments a row of examples ``lens`` ends in."""
+    return -(-(width - sum(lens)) // PAD_SEGMENT)
 
 
 def collate_packs(
     rows: list[dict], pad_id: int, dtype: torch.dtype = torch.float32, width: int = 0
 ) -> dict[str, torch.Tensor]:
     """A training batch from pack rows: ``input_ids``, ``labels``, ``position_ids`` (B, T), ``attention_mask``
-    (B, 1, T, T) and ``cu_seq_lens``, the examples' boundaries of :func:`segment_bounds`.
+    (B, 1, T, T) and ``cu_seq_lens``, the examples' boundaries of :func:`segment_bounds`; for packs of preference
+    pairs (a ``shared`` column), ``shared_prefix``, :func:`segment_shared`.
 
     T is the longest row, or ``width`` when that is longer (a fixed T keeps every row's numbers independent
     of the other rows of the batch).
     """
     width = max(width, *(len(r["input_ids"]) for r in rows))
     seq_lens = [list(r["seq_lens"]) for r in rows]
+    shared = [list(r["shared"]) for r in rows] if "shared" in rows[0] else None
 
     def pad(key: str, value: int) -> torch.Tensor:
         return torch.tensor([list(r[key]) + [value] * (width - len(r[key])) for r in rows])
 
-    return {
+    batch = {
         "input_ids": pad("input_ids", pad_id),
         "labels": pad("labels", IGNORE_INDEX),
         "position_ids": pad("position_ids", 0),
-        "attention_mask": block_causal_mask(seq_lens, width, dtype),
+        "attention_mask": block_causal_mask(seq_lens, width, dtype, shared),
         "cu_seq_lens": segment_bounds(seq_lens, width),
     }
+    if shared is not None:
+        batch["shared_prefix"] = segment_shared(seq_lens, shared, width)
+    return batch

@@ -36,21 +36,25 @@ def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def join(examples: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
-    """One pack from ``[(input_ids, labels), ...]``: concatenated ids and labels, restarting position ids, lengths.
+def join(examples: list[tuple[list[int], list[int]]], shared: list[int] | None = None) -> dict[str, list[int]]:
+    """One pack from ``[(input_ids, labels), ...]``: concatenated ids and labels, restarting position ids, lengths;
+    with ``shared`` (each example's count of leading tokens of the example before it that it reads: pairs), its
+    position ids start after them, and the pack carries ``shared``.
 
-    The plain-Python reference of the vectorised ``raylora.data.pipeline.pack_batch``.
+    The plain-Python reference of the vectorised ``raylora.data.transforms.pack_batch``.
     """
     input_ids: list[int] = []
     labels: list[int] = []
     position_ids: list[int] = []
-    for ids, labs in examples:
+    for k, (ids, labs) in enumerate(examples):
         input_ids += ids
         labels += [IGNORE_INDEX] + list(labs[1:])
-        position_ids += range(len(ids))
-    return {
+        start = shared[k] if shared else 0
+        position_ids += range(start, start + len(ids))
+    pack = {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
         "seq_lens": [len(i) for i, _ in examples],
     }
+    return pack | ({"shared": list(shared)} if shared is not None else {})

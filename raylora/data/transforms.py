@@ -119,7 +119,7 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
         desirable = [u.desirable for u in items]
         items = kto_units(items)
     if pairs:
-        encoded, seq_lens = encode_pairs(encoder, items)
+        encoded, seq_lens, shared = encode_pairs(encoder, items)
     else:
         encoded = encoder.encode_arrays(items)
     take: list[int] = []
@@ -150,6 +150,7 @@ def _encode_batch(batch: pa.Table, spec: str, plan: dict, side_dir: str, eval_ke
         two_each = pa.array(np.arange(0, 2 * len(items) + 1, 2), pa.int32())
         pair_lens = pa.ListArray.from_arrays(two_each, pa.array(seq_lens.ravel(), pa.int32()))
         columns["seq_lens"] = pair_lens.take(indices)
+        columns["shared"] = pa.ListArray.from_arrays(two_each, pa.array(shared.ravel(), pa.int32())).take(indices)
     if desirable is not None:
         one_each = pa.array(np.arange(len(items) + 1), pa.int32())
         columns["desirable"] = pa.ListArray.from_arrays(one_each, pa.array(desirable, pa.bool_())).take(indices)
@@ -195,7 +196,9 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
     An example is one sequence, or, when the batch has a ``seq_lens`` column, the sequences it lists (a preference
     pair: chosen, then rejected), which stay together and in order in one pack. Vectorised with Arrow and numpy: a
     pack's tokens are its examples' token lists taken in bin order and flattened; position ids restart and the first
-    label is ignored at every sequence start.
+    label is ignored at every sequence start. A ``shared`` column (pairs, :mod:`raylora.data.pairs`) gives each
+    sequence the tokens it reads from the start of the sequence before it: its position ids start after them, and
+    the packs carry it on, aligned with ``seq_lens``.
     """
     ids = batch.column("input_ids").combine_chunks()
     lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -222,6 +225,11 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
         seq_lens, seq_offsets = example_lens, example_offsets
     starts = np.cumsum(seq_lens) - seq_lens
     positions = np.arange(int(seq_lens.sum()), dtype=np.int64) - np.repeat(starts, seq_lens)
+    extra = {}
+    if "shared" in batch.column_names:
+        shared = pc.take(batch.column("shared").combine_chunks(), take).flatten()
+        positions += np.repeat(shared.to_numpy(zero_copy_only=False).astype(np.int64), seq_lens)
+        extra["shared"] = pa.ListArray.from_arrays(pa.array(seq_offsets, pa.int32()), shared)
     labels = pc.take(batch.column("labels").combine_chunks(), take).flatten().to_numpy(zero_copy_only=False).copy()
     labels[starts[seq_lens > 0]] = IGNORE_INDEX
     token_offsets = np.concatenate([[0], np.cumsum(example_lens)])[example_offsets]
@@ -229,7 +237,6 @@ def pack_batch(batch: pa.Table, cutoff_len: int, packing: bool) -> pa.Table:
     def lists(values: Any, offsets: np.ndarray) -> pa.ListArray:
         return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int32()))
 
-    extra = {}
     if "desirable" in batch.column_names:  # KTO: each unit's label, in the pack's order
         labels_of = pc.take(batch.column("desirable").combine_chunks(), take).flatten()
         extra["desirable"] = pa.ListArray.from_arrays(pa.array(example_offsets, pa.int32()), labels_of)
@@ -252,7 +259,7 @@ def _content_key(batch: pa.Table) -> str:
     example lengths."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(" ".join(sorted(set(batch["origin"].to_pylist()))).encode())
-    for name in ("input_ids", "labels", "seq_lens", "desirable"):
+    for name in ("input_ids", "labels", "seq_lens", "shared", "desirable"):
         if name in batch.column_names:
             digest.update(pc.list_flatten(batch[name]).to_numpy(zero_copy_only=False).tobytes())
     return digest.hexdigest()

@@ -10,6 +10,12 @@ example by example, the portable reference). The math is the same; only the summ
 is a few more causal segments whose outputs nothing reads (its labels are ignored and it comes after every
 example of its row).
 
+A preference pair's second sequence reads the first one's prompt (prefix sharing, :mod:`raylora.data.pairs`): with
+``shared_prefix`` (:func:`raylora.data.collate.segment_shared`) a segment's queries attend to that many leading keys
+of the segment before it, then causally to their own. Our kernel and the per-example path take such segments; the
+NPU's fused kernel is given only batches without them (its TND layout has no way to say it), so on an NPU a batch
+of pairs takes the per-example path.
+
 The function is registered with transformers' ``AttentionInterface`` under :data:`NAME`; without boundaries
 (evaluation through ``generate``, a model called directly) it is transformers' own sdpa attention.
 """
@@ -45,12 +51,14 @@ def packed_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    shared_prefix: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (B, H, T, D), key and value (B, H_kv, T, D); returns (B, T, H, D).
 
     With ``cu_seq_lens_q`` (from :func:`~raylora.data.collate.segment_bounds`) each segment attends causally
-    within itself and the mask is not read; otherwise, or with attention dropout, this is transformers' sdpa.
+    within itself, and to the ``shared_prefix`` leading keys of the segment before it, and the mask is not read;
+    otherwise, or with attention dropout, this is transformers' sdpa (over the mask, which says the same).
     """
     if cu_seq_lens_q is None or dropout:
         return sdpa_attention_forward(
@@ -58,8 +66,9 @@ def packed_attention(
         )
     rows, heads, width, dim = query.shape
     bounds = tuple(cu_seq_lens_q.tolist())
+    shared = tuple(shared_prefix.tolist()) if shared_prefix is not None and bool(shared_prefix.any()) else None
     scale = dim**-0.5 if scaling is None else scaling
-    if query.device.type == FUSED_ON and len(bounds) - 1 <= FUSED_MAX_SEGMENTS:
+    if query.device.type == FUSED_ON and shared is None and len(bounds) - 1 <= FUSED_MAX_SEGMENTS:
         tnd = [x.transpose(1, 2).reshape(rows * width, x.shape[1], dim) for x in (query, key, value)]
         return npu_fusion_attention(*tnd, scale, bounds).reshape(rows, width, heads, dim), None
 
@@ -67,12 +76,30 @@ def packed_attention(
         return x.transpose(0, 1).reshape(x.shape[1], rows * width, dim)
 
     q, k, v = flat(query), flat(key), flat(value)
-    segments = list(itertools.pairwise(bounds))
-    if q.device.type == "cpu" and max(e - s for s, e in segments) <= OURS_UP_TO:
-        out = CausalAttention.apply(q, k, v, scale, bounds)  # one node for all segments
+    spans = segment_spans(bounds, shared)
+    if q.device.type == "cpu" and max(e - s + pe - ps for ps, pe, s, e in spans) <= OURS_UP_TO:
+        out = CausalAttention.apply(q, k, v, scale, bounds, shared)  # one node for all segments
     else:
-        out = torch.cat([attend(q[:, s:e], k[:, s:e], v[:, s:e], scale) for s, e in segments], dim=1)
+        out = torch.cat(
+            [attend(q[:, s:e], _keys(k, ps, pe, s, e), _keys(v, ps, pe, s, e), scale, pe - ps) for ps, pe, s, e in spans],
+            dim=1,
+        )  # fmt: skip
     return out.reshape(heads, rows, width, dim).permute(1, 2, 0, 3), None
+
+
+def segment_spans(bounds: tuple[int, ...], shared: tuple[int, ...] | None) -> list[tuple[int, int, int, int]]:
+    """Each segment as ``(prefix start, prefix end, start, end)``: its shared prefix, the first ``shared[j]`` keys
+    of the segment before it (empty without one), then its own tokens."""
+    starts = bounds[:-1]
+    return [
+        (starts[j - 1], starts[j - 1] + shared[j], s, e) if shared and shared[j] else (s, s, s, e)
+        for j, (s, e) in enumerate(itertools.pairwise(bounds))
+    ]
+
+
+def _keys(t: torch.Tensor, ps: int, pe: int, s: int, e: int) -> torch.Tensor:
+    """``t``'s (H_kv, N, D) keys or values a segment ``[s, e)`` reads: its shared prefix ``[ps, pe)``, then its own."""
+    return t[:, s:e] if ps == pe else torch.cat([t[:, ps:pe], t[:, s:e]], dim=1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -112,26 +139,35 @@ def npu_fusion_attention(
     )[0]  # fmt: skip
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """Causal attention of one example: q (H, n, D), k and v (H_kv, n, D) -> (H, n, D).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None, prefix: int = 0) -> torch.Tensor:
+    """Causal attention of one example: q (H, n, D), k and v (H_kv, prefix + n, D) -> (H, n, D); the first
+    ``prefix`` keys (a shared prompt) come before the example's own and every query reads them.
 
-    On CPU up to :data:`OURS_UP_TO` tokens, :class:`CausalAttention` (batched matrix products); otherwise
-    :func:`sdpa_attend`: below :data:`FLASH_FROM` tokens sdpa's 3-D call (math kernel, grouped heads), from there
+    On CPU up to :data:`OURS_UP_TO` tokens and without a prefix, :class:`CausalAttention` (batched matrix products);
+    otherwise :func:`sdpa_attend`: below :data:`FLASH_FROM` tokens sdpa's 3-D call (math kernel, grouped heads), from there
     its 4-D call with repeated key/value heads (flash, which holds one value per row for the backward).
     """
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    if q.device.type == "cpu" and q.shape[1] <= OURS_UP_TO:
+    if q.device.type == "cpu" and q.shape[1] <= OURS_UP_TO and not prefix:
         return CausalAttention.apply(q, k, v, scale)
-    return sdpa_attend(q, k, v, scaling)
+    return sdpa_attend(q, k, v, scaling, prefix)
 
 
-def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """:func:`attend` through sdpa's causal kernels (the path off the CPU)."""
-    heads = q.shape[0]
-    if q.shape[1] < FLASH_FROM:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[0] != heads)
+def sdpa_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None, prefix: int = 0
+) -> torch.Tensor:
+    """:func:`attend` through sdpa's kernels (the path off the CPU): causal, or with a shared prefix the causal mask
+    from the bottom-right corner (every query reads the prefix)."""
+    heads, n = q.shape[0], q.shape[1]
+    mask = torch.ones(n, prefix + n, dtype=torch.bool, device=q.device).tril_(prefix) if prefix else None
+    if n < FLASH_FROM:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=k.shape[0] != heads
+        )
     k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling)[0]
+    return F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scaling
+    )[0]
 
 
 QUERY_BLOCK = 128  # query rows per block of a long example (CausalAttention)
@@ -162,8 +198,9 @@ class CausalAttention(torch.autograd.Function):
     """Causal attention of each segment (example) of a sequence on its own, in batched matrix products (two
     forward, four backward per query block), for the CPU.
 
-    ``apply(q, k, v, scale, bounds=None)``: q (H, N, D), k and v (H_kv, N, D) -> (H, N, D); ``bounds``: the
-    segments' boundaries ``(0, ..., N)`` (default: one segment). One autograd node for all segments: the
+    ``apply(q, k, v, scale, bounds=None, shared=None)``: q (H, N, D), k and v (H_kv, N, D) -> (H, N, D); ``bounds``:
+    the segments' boundaries ``(0, ..., N)`` (default: one segment); ``shared``: each segment's count of leading keys
+    of the segment before it that its queries read first (a preference pair's prompt, :func:`segment_spans`). One autograd node for all segments: the
     gradients are written into whole (H, N, D) tensors, with no per-segment slices for autograd to zero-fill
     and sum. The query heads that share a key/value head are stacked, so one ``baddbmm`` per key head scores
     them all (no repeated keys), adding the causal mask (cached per shape) and scaling in the same call. Under
@@ -184,24 +221,29 @@ class CausalAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, bounds: tuple[int, ...] | None = None):
+    def forward(
+        ctx, q, k, v, scale: float, bounds: tuple[int, ...] | None = None, shared: tuple[int, ...] | None = None
+    ):
         ctx.dtypes = q.dtype, k.dtype, v.dtype
         kind = q.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         kv_heads, group = k.shape[0], q.shape[0] // k.shape[0]
         blocks = [
-            (s, qs, qe) for s, e in itertools.pairwise(bounds or (0, q.shape[1])) for qs, qe in query_blocks(s, e)
+            (ps, pe, s, qs, qe)
+            for ps, pe, s, e in segment_spans(bounds or (0, q.shape[1]), shared)
+            for qs, qe in query_blocks(s, e)
         ]
         out = torch.empty_like(q)
         probs = []
-        for s, qs, qe in blocks:
+        for ps, pe, s, qs, qe in blocks:
             stacked = q[:, qs:qe].reshape(
                 kv_heads, -1, q.shape[2]
             )  # (H_kv, group * rows, D): the group's heads in turn
-            bias = _causal_bias(qe - qs, qe - s, group, dtype, q.device)
-            probs.append(torch.baddbmm(bias, stacked, k[:, s:qe].transpose(1, 2), alpha=scale).softmax(-1))
-            out[:, qs:qe] = torch.bmm(probs[-1], v[:, s:qe]).view(q.shape[0], qe - qs, q.shape[2])
+            bias = _causal_bias(qe - qs, pe - ps + qe - s, group, dtype, q.device)
+            keys = _keys(k, ps, pe, s, qe).transpose(1, 2)
+            probs.append(torch.baddbmm(bias, stacked, keys, alpha=scale).softmax(-1))
+            out[:, qs:qe] = torch.bmm(probs[-1], _keys(v, ps, pe, s, qe)).view(q.shape[0], qe - qs, q.shape[2])
         ctx.save_for_backward(q, k, v, *probs)
         ctx.scale, ctx.blocks = scale, blocks
         return out
@@ -213,14 +255,23 @@ class CausalAttention(torch.autograd.Function):
         # every block of an example adds to the gradients of the keys and values it read
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         kv_heads, dim = k.shape[0], k.shape[2]
-        for (s, qs, qe), p in zip(ctx.blocks, probs, strict=True):
+        for (ps, pe, s, qs, qe), p in zip(ctx.blocks, probs, strict=True):
             stacked = q[:, qs:qe].reshape(kv_heads, -1, dim)
             grad = grad_out[:, qs:qe].reshape(kv_heads, -1, dim)
-            grad_v[:, s:qe].baddbmm_(p.transpose(1, 2), grad)
-            grad_scores = torch._softmax_backward_data(torch.bmm(grad, v[:, s:qe].transpose(1, 2)), p, -1, p.dtype)
-            grad_q[:, qs:qe] = torch.bmm(grad_scores, k[:, s:qe]).mul_(ctx.scale).view(-1, qe - qs, dim)
-            grad_k[:, s:qe].baddbmm_(grad_scores.transpose(1, 2), stacked, alpha=ctx.scale)
-        return *(g.to(t) for g, t in zip((grad_q, grad_k, grad_v), ctx.dtypes, strict=True)), None, None
+            grad_scores = torch._softmax_backward_data(
+                torch.bmm(grad, _keys(v, ps, pe, s, qe).transpose(1, 2)), p, -1, p.dtype
+            )
+            grad_q[:, qs:qe] = torch.bmm(grad_scores, _keys(k, ps, pe, s, qe)).mul_(ctx.scale).view(-1, qe - qs, dim)
+            if ps == pe:
+                grad_v[:, s:qe].baddbmm_(p.transpose(1, 2), grad)
+                grad_k[:, s:qe].baddbmm_(grad_scores.transpose(1, 2), stacked, alpha=ctx.scale)
+                continue
+            n = pe - ps  # the shared prefix's keys come first in the block's scores
+            for into, part in ((grad_v, torch.bmm(p.transpose(1, 2), grad)),
+                               (grad_k, torch.bmm(grad_scores.transpose(1, 2), stacked).mul_(ctx.scale))):  # fmt: skip
+                into[:, ps:pe] += part[:, :n]
+                into[:, s:qe] += part[:, n:]
+        return *(g.to(t) for g, t in zip((grad_q, grad_k, grad_v), ctx.dtypes, strict=True)), None, None, None
 
 
 def use_packed_attention(model: nn.Module) -> bool:

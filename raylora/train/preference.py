@@ -1,10 +1,11 @@
 """Preference objectives: DPO (sigmoid, IPO), SimPO and ORPO on chosen / rejected answers, and KTO on answers
 labelled desirable or not, as TRL computes them.
 
-A preference pack holds whole units, each as two consecutive examples (:mod:`raylora.data.preference`): example
-``2i`` is the prompt with the chosen answer, ``2i + 1`` the same prompt with the rejected one, the prompt masked
-out of the labels; for kto, ``2i`` is the prompt with its own answer and ``2i + 1`` the prompt with another row's
-answer (the mismatched sequence KTO's KL estimate is read from), the unit's label beside the pack. One forward over the pack gives every answer's log-probability (the sum over its label tokens,
+A preference pack holds whole units, each as two consecutive examples (:mod:`raylora.data.pairs`): example
+``2i`` is the prompt with the chosen answer, ``2i + 1`` the prompt's last token with the rejected one, reading the
+rest of the prompt from example ``2i`` (prefix sharing: the prompt is computed once), the prompt masked out of the
+labels; for kto, ``2i`` is the prompt with its own answer and ``2i + 1`` the prompt with another row's answer (the
+mismatched sequence KTO's KL estimate is read from), the unit's label beside the pack. One forward over the pack gives every answer's log-probability (the sum over its label tokens,
 or that sum over their count where the objective averages), read off the label positions through the chunked head
 (:func:`~raylora.ops.linear_ce.linear_token_losses`). DPO's reference is the same model with the adapter off (peft's
 ``disable_adapter``), run without gradients: never a second copy of the weights.
@@ -182,8 +183,8 @@ def example_index(seq_lens: list[list[int]], width: int) -> torch.Tensor:
 class PreferenceModel(nn.Module):
     """What DDP wraps for a preference objective: the peft model's forward to every answer's log-probability.
 
-    ``forward(input_ids, labels, position_ids, attention_mask, cu_seq_lens, examples)`` (``examples`` from
-    :func:`example_index`) returns ``(logps, tokens, reference)``, each (E,) fp32 for the batch's E examples: the
+    ``forward(input_ids, labels, position_ids, attention_mask, cu_seq_lens, examples, shared_prefix)`` (``examples``
+    from :func:`example_index`, ``shared_prefix`` from :func:`~raylora.data.collate.segment_shared`) returns ``(logps, tokens, reference)``, each (E,) fp32 for the batch's E examples: the
     summed log-probability of each example's label tokens, their count, and the reference's log-probability (the
     adapter off, no gradients; zeros for a reference-free objective). :func:`objective_terms` makes the loss of them.
     """
@@ -193,9 +194,9 @@ class PreferenceModel(nn.Module):
         self.model, self.chunked, self.objective, self.pref = model, chunked, objective, pref
         self.head = head  # as LossModel's: the frozen head in the autocast dtype
 
-    def forward(self, input_ids, labels, position_ids, attention_mask, cu_seq_lens, examples):
+    def forward(self, input_ids, labels, position_ids, attention_mask, cu_seq_lens, examples, shared_prefix):
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                  "cu_seq_lens_q": cu_seq_lens}  # fmt: skip
+                  "cu_seq_lens_q": cu_seq_lens, "shared_prefix": shared_prefix}  # fmt: skip
         count = int(examples.max().item()) + 1
         logps, tokens = self.answer_logps(inputs, labels, examples, count)
         if self.objective in REFERENCE_FREE:
@@ -264,7 +265,8 @@ def _terms(model, batch: dict[str, torch.Tensor], objective: str, pref: Preferen
 def preference_step(ddp, batches, optimizer, scheduler, scaler, pad_id, mask_dtype, device, train, backend, world):
     """One optimizer step of a preference objective over ``grad_accum`` micro-batches on ``world`` workers, as
     :func:`~raylora.train.loop.train_step` takes one (its arguments and its returns, then the step's
-    :func:`metrics`).
+    :func:`metrics` and its count of ``pairs``, kto's of ``answers``: a preference step's tokens count each prompt
+    once, so pairs per second is what compares with a trainer that computes the prompt twice).
 
     The objective is the mean over every unit of the step (pairs; kto: answers; all micro-batches, all workers;
     ORPO adds its chosen answers' cross-entropy per token): the counts are all-reduced before the first backward and
@@ -298,7 +300,8 @@ def preference_step(ddp, batches, optimizer, scheduler, scaler, pad_id, mask_dty
     loss = _loss(terms, units, chosen_tokens).item()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = take_step(params, optimizer, scheduler, scaler, train.max_grad_norm, loss)
-    return loss, int(tokens), grad_norm, position, metrics(objective, stats.tolist(), units)
+    counted = {"answers" if objective == "kto" else "pairs": units}  # the step's, over every worker
+    return loss, int(tokens), grad_norm, position, metrics(objective, stats.tolist(), units) | counted
 
 
 @torch.no_grad()

@@ -60,7 +60,7 @@ def test_kto_on_two_workers_rewards_the_desirable_answers_and_resumes_on_one_wor
     kto = ROOT / "configs" / "tiny_kto_cpu.yaml"
     overrides = [f"train.output_dir={tmp_path}/run", f"data.output_dir={tmp_path}/data", "tracking.enabled=true",
                  f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=kto"]  # fmt: skip
-    first = fit(load_config(kto, [*overrides, "train.num_workers=2", "train.eval_every=10", "train.log_every=5"]),
+    first = fit(load_config(kto, [*overrides, "train.num_workers=2", "train.eval_every=10", "train.log_every=1"]),
                 log=lambda s: None)  # fmt: skip
     assert first["steps"] == 20
     summary = json.loads((tmp_path / "data" / "summary.json").read_text())
@@ -70,7 +70,11 @@ def test_kto_on_two_workers_rewards_the_desirable_answers_and_resumes_on_one_wor
     assert [h["step"] for h in evaluations] == [10, 20]
     # the loss starts at 0.5 (adapter B = 0: policy = reference, 1 - sigmoid(0)); the held-out desirable answers come
     # to be rewarded above the undesirable ones
-    assert history[0]["loss"] == pytest.approx(0.5, abs=0.01) and evaluations[-1]["eval_loss"] < 0.5
+    assert (
+        history[0]["step"] == 1
+        and history[0]["loss"] == pytest.approx(0.5, abs=0.01)
+        and evaluations[-1]["eval_loss"] < 0.5
+    )
     assert evaluations[-1]["eval_rewards/margins"] > 0 and evaluations[-1]["eval_rewards/chosen"] > 0
     assert all({"rewards/chosen", "rewards/rejected", "kl", "logps/chosen"} <= set(h) for h in history)
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

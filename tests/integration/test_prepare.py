@@ -282,8 +282,8 @@ def test_prepare_writes_each_pair_as_two_sequences_of_one_pack(tmp_path):
         for pack in packs:
             assert len(pack["seq_lens"]) % 2 == 0 and sum(pack["seq_lens"]) == pack["num_tokens"] <= 256
             start = 0
-            for n in pack["seq_lens"]:
-                assert pack["position_ids"][start : start + n] == list(range(n))
+            for n, shared in zip(pack["seq_lens"], pack["shared"], strict=True):
+                assert pack["position_ids"][start : start + n] == list(range(shared, shared + n))
                 start += n
             ends = np.cumsum([0, *pack["seq_lens"]])
             for a, b, c in zip(ends[0:-1:2], ends[1::2], ends[2::2], strict=True):
@@ -291,7 +291,11 @@ def test_prepare_writes_each_pair_as_two_sequences_of_one_pack(tmp_path):
                 i = int(chosen.split("Question ")[1].split("?")[0])
                 prompt = f"<|im_start|>user\nQuestion {i}?<|im_end|>\n<|im_start|>assistant\n"
                 assert chosen == prompt + f"Answer {i}, from Ray.<|im_end|>\n"
-                assert rejected == prompt + f"No answer {i}.<|im_end|>\n"
+                # the prompt once: the rejected answer follows its last token and reads the rest from the chosen
+                shared = pack["shared"][list(ends).index(b)]
+                assert (
+                    tok.decode(pack["input_ids"][a : a + shared]) + rejected == prompt + f"No answer {i}.<|im_end|>\n"
+                )
                 learned = [t for t, lab in zip(pack["input_ids"][b:c], pack["labels"][b:c], strict=True) if lab >= 0]
                 assert tok.decode(learned) == f"No answer {i}.<|im_end|>\n"
                 seen[i] = split

@@ -158,13 +158,26 @@ def learned(tok, ids, labels) -> str:
     return tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX])
 
 
-def split_pairs(batch, lens) -> list[tuple[tuple[list, list], tuple[list, list]]]:
-    """Each pair's (ids, labels) of the chosen and of the rejected conversation."""
+def split_pairs(batch, lens, shared) -> list[tuple[tuple[list, list], tuple[list, list]]]:
+    """Each pair's (ids, labels) of the chosen and of the rejected conversation, whole: the rejected sequence after
+    the prompt tokens it shares with the chosen one."""
     out = []
     ids, labels = batch.input_ids.tolist(), batch.labels.tolist()
-    for i, (c, r) in enumerate(lens):
+    for i, ((c, r), (_, n)) in enumerate(zip(lens, shared, strict=True)):
         a = batch.offsets[i]
-        out.append(((ids[a : a + c], labels[a : a + c]), (ids[a + c : a + c + r], labels[a + c : a + c + r])))
+        rejected = ids[a : a + n] + ids[a + c : a + c + r], [IGNORE_INDEX] * n + labels[a + c : a + c + r]
+        out.append(((ids[a : a + c], labels[a : a + c]), rejected))
+    return out
+
+
+def whole_sequences(pack: dict) -> list[tuple[list, list]]:
+    """A pack's sequences as (ids, labels), each second sequence of a pair after the prompt tokens it shares with
+    the first (the conversation it stands for)."""
+    out, start, previous = [], 0, 0
+    for n, shared in zip(pack["seq_lens"], pack["shared"], strict=True):
+        ids, labels = pack["input_ids"][start : start + n], pack["labels"][start : start + n]
+        out.append((pack["input_ids"][previous : previous + shared] + ids, [IGNORE_INDEX] * shared + labels))
+        previous, start = start, start + n
     return out
 
 
@@ -177,9 +190,9 @@ def test_both_answers_follow_the_same_prompt_tokens_and_learn_what_sft_learns(to
                             {"role": "assistant", "content": "Blue.", "reasoning_content": "Rayleigh."}],
                  "rejected": [user("Hi"), assistant("Hello"), user("Sky?"), assistant("Green.")]}, "openai", {}, {}),
     ]  # fmt: skip
-    batch, lens = encode_pairs(encoder, pairs)
+    batch, lens, shared = encode_pairs(encoder, pairs)
     assert batch.errors == [None, None]
-    for pair, ((c_ids, c_labels), (r_ids, r_labels)) in zip(pairs, split_pairs(batch, lens), strict=True):
+    for pair, ((c_ids, c_labels), (r_ids, r_labels)) in zip(pairs, split_pairs(batch, lens, shared), strict=True):
         first = next(k for k, x in enumerate(c_labels) if x != IGNORE_INDEX)
         assert first == next(k for k, x in enumerate(r_labels) if x != IGNORE_INDEX)
         assert c_ids[:first] == r_ids[:first]
@@ -189,7 +202,10 @@ def test_both_answers_follow_the_same_prompt_tokens_and_learn_what_sft_learns(to
         ):
             (alone,) = encoder.encode_many([conversation])
             assert (ids, labels) == (alone.input_ids, alone.labels)  # what SFT makes of prompt + answer
-    chosen, rejected = split_pairs(batch, lens)[1]
+    chosen, rejected = split_pairs(batch, lens, shared)[1]
+    first = next(k for k, x in enumerate(chosen[1]) if x != IGNORE_INDEX)
+    assert shared[:, 0].tolist() == [0, 0] and shared[1, 1] == first - 1  # the prompt but its last token, once
+    assert lens[1].tolist() == [len(chosen[0]), len(rejected[0]) - first + 1]
     assert learned(tok, *chosen) == "<think>\nRayleigh.\n</think>\n\nBlue.<|im_end|>\n"
     assert learned(tok, *rejected) == "Green.<|im_end|>\n"  # not the history's Hello
 
@@ -204,11 +220,11 @@ def test_a_prompt_rendered_differently_before_each_answer_is_rejected(tok):
     dated.chat_template = template
     encoder = Encoder(tokenizer_spec(dated, "auto"), 1024, "tail", False)
     pair = to_pair({"prompt": "Sky?", "chosen": "Blue.", "rejected": "Green."}, "alpaca", {}, {})
-    batch, lens = encode_pairs(encoder, [pair])
+    batch, lens, _ = encode_pairs(encoder, [pair])
     assert batch.errors == [None]  # one day: the same prompt
     renders = iter(range(100))
     encoder.template.globals["strftime_now"] = lambda fmt: "01" if next(renders) < 2 else "02"  # 2 renders each
-    batch, lens = encode_pairs(encoder, [pair])
+    batch, lens, _ = encode_pairs(encoder, [pair])
     assert str(batch.errors[0]) == PROMPT_DIFFERS and lens.tolist() == [[0, 0]] and len(batch.input_ids) == 0
 
 
@@ -216,42 +232,53 @@ def test_a_long_pair_is_cut_at_its_answers_or_rejected(tok):
     def encoded(cutoff, truncation="tail", row=None):
         pair = to_pair(row or {"prompt": "Sky?", "chosen": "Blue, as Rayleigh says.", "rejected": "Green."}, "alpaca",
                        {}, {})  # fmt: skip
-        batch, lens = encode_pairs(Encoder(tokenizer_spec(tok, "auto"), cutoff, truncation, False), [pair])
-        return batch, lens.tolist()[0], batch.errors[0] and str(batch.errors[0])
+        batch, lens, shared = encode_pairs(Encoder(tokenizer_spec(tok, "auto"), cutoff, truncation, False), [pair])
+        return batch, lens.tolist()[0], batch.errors[0] and str(batch.errors[0]), shared.tolist()[0]
 
     prompt = len(tok("<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids)
     chosen, rejected = len("Blue, as Rayleigh says.") + 2, len("Green.") + 2  # a byte a token, then <|im_end|>, \n
-    total = 2 * prompt + chosen + rejected
-    assert encoded(total, "reject")[1] == [prompt + chosen, prompt + rejected]
+    total = prompt + 1 + chosen + rejected  # the prompt once, its last token again before the rejected answer
+    assert encoded(total, "reject")[1] == [prompt + chosen, 1 + rejected]
 
-    batch, lens, _ = encoded(total - 5)
-    assert lens == [prompt + chosen - 5, prompt + rejected]  # the longer answer cut, the shorter whole
-    (c_ids, c_labels), (r_ids, r_labels) = split_pairs(batch, [lens])[0]
+    batch, lens, _, shared = encoded(total - 5)
+    # the longer answer cut, the shorter whole
+    assert lens == [prompt + chosen - 5, 1 + rejected] and shared == [0, prompt - 1]
+    (c_ids, c_labels), (r_ids, r_labels) = split_pairs(batch, [lens], [shared])[0]
     assert c_ids[:prompt] == r_ids[:prompt]
     assert learned(tok, c_ids, c_labels) == "Blue, as Rayleigh says."[: chosen - 5]
     assert learned(tok, r_ids, r_labels) == "Green.<|im_end|>\n"
-    assert encoded(2 * prompt + 8)[1] == [prompt + 4, prompt + 4]  # both cut alike when neither fits whole
+    assert encoded(prompt + 1 + 8)[1] == [prompt + 4, 1 + 4]  # both cut alike when neither fits whole
 
-    same = encoded(2 * prompt + 4, row={"prompt": "Sky?", "chosen": "Blue!", "rejected": "Blue?"})
-    assert same[2] == f"the chosen and rejected answers are the same once cut to data.cutoff_len={2 * prompt + 4}"
-    assert encoded(2 * prompt + 1)[2] == (
-        f"the prompt, twice, leaves no room for the answers in data.cutoff_len={2 * prompt + 1}; {prompt} tokens"
+    same = encoded(prompt + 1 + 4, row={"prompt": "Sky?", "chosen": "Blue!", "rejected": "Blue?"})
+    assert same[2] == f"the chosen and rejected answers are the same once cut to data.cutoff_len={prompt + 5}"
+    assert encoded(prompt + 2)[2] == (
+        f"the prompt leaves no room for the answers in data.cutoff_len={prompt + 2}; {prompt} tokens"
     )
     assert encoded(total - 1, "reject")[2] == (
-        f"the pair is longer than data.cutoff_len={total - 1}; {total} tokens, the prompt counted twice"
+        f"the pair is longer than data.cutoff_len={total - 1}; {total} tokens, the prompt counted once"
     )
 
 
-def pair_table(rows: list[tuple[list[int], list[int], list[int], list[int]]], splits: list[str]) -> pa.Table:
-    """The encoded table of pairs ``(chosen ids, chosen labels, rejected ids, rejected labels)``, as encode_batch
-    writes it."""
+def pair_sequences(prompt: list[int], chosen: list[int], rejected: list[int]) -> list[tuple[list, list]]:
+    """A pair's two sequences as encode_pairs lays them out: the prompt with the chosen answer, then the prompt's
+    last token with the rejected one (its shared count: the rest of the prompt)."""
+    return [
+        (prompt + chosen, [IGNORE_INDEX] * len(prompt) + chosen),
+        (prompt[-1:] + rejected, [IGNORE_INDEX] + rejected),
+    ]
+
+
+def pair_table(rows: list[tuple[list[int], list[int], list[int]]], splits: list[str]) -> pa.Table:
+    """The encoded table of pairs ``(prompt, chosen answer, rejected answer)``, as encode_batch writes it."""
+    sequences = [pair_sequences(*row) for row in rows]
     return pa.table(
         {
-            "input_ids": pa.array([c + r for c, _, r, _ in rows], pa.list_(pa.int32())),
-            "labels": pa.array([cl + rl for _, cl, _, rl in rows], pa.list_(pa.int32())),
+            "input_ids": pa.array([c[0] + r[0] for c, r in sequences], pa.list_(pa.int32())),
+            "labels": pa.array([c[1] + r[1] for c, r in sequences], pa.list_(pa.int32())),
             "split": splits,
             "origin": ["a"] * len(rows),
-            "seq_lens": pa.array([[len(c), len(r)] for c, _, r, _ in rows], pa.list_(pa.int32())),
+            "seq_lens": pa.array([[len(c[0]), len(r[0])] for c, r in sequences], pa.list_(pa.int32())),
+            "shared": pa.array([[0, len(p) - 1] for p, _, _ in rows], pa.list_(pa.int32())),
         }
     )
 
@@ -262,21 +289,25 @@ def test_a_pair_is_packed_as_one_item_chosen_first(packing):
     rows = []
     for _ in range(30):
         prompt = rng.integers(0, 250, int(rng.integers(2, 12))).tolist()
-        answers = [rng.integers(0, 250, int(rng.integers(1, 15))).tolist() for _ in range(2)]
-        rows.append(tuple(x for a in answers for x in (prompt + a, [IGNORE_INDEX] * len(prompt) + a)))
+        rows.append((prompt, *(rng.integers(0, 250, int(rng.integers(1, 15))).tolist() for _ in range(2))))
     splits = ["eval" if k % 4 == 0 else "train" for k in range(len(rows))]
     packs = pack_batch(pair_table(rows, splits), 64, packing).to_pylist()
     assert sum(len(p["seq_lens"]) for p in packs) == 2 * len(rows)
     for pack in packs:
         assert len(pack["seq_lens"]) % 2 == 0 and pack["num_tokens"] <= 64
-        members, start = [], 0
-        for c, r in zip(pack["seq_lens"][0::2], pack["seq_lens"][1::2], strict=True):
-            chosen, rejected = pack["input_ids"][start : start + c], pack["input_ids"][start + c : start + c + r]
-            k = next(k for k, row in enumerate(rows) if (row[0], row[2]) == (chosen, rejected))
+        members, shared = [], []
+        whole = whole_sequences(pack)
+        for (chosen, _), (rejected, _) in zip(whole[0::2], whole[1::2], strict=True):
+            k = next(k for k, (p, c, r) in enumerate(rows) if (p + c, p + r) == (chosen, rejected))
             assert splits[k] == pack["split"]
-            members += [(rows[k][0], rows[k][1]), (rows[k][2], rows[k][3])]
-            start += c + r
-        assert {k: pack[k] for k in ("input_ids", "labels", "position_ids", "seq_lens")} == join(members)
+            members += pair_sequences(*rows[k])
+            shared += [0, len(rows[k][0]) - 1]
+        assert {k: pack[k] for k in ("input_ids", "labels", "position_ids", "seq_lens", "shared")} == join(
+            members, shared
+        )
+        ends = np.cumsum([0, *pack["seq_lens"]])
+        for k in range(1, len(ends) - 1, 2):  # the rejected answer takes the positions after the whole prompt
+            assert pack["position_ids"][ends[k]] == pack["shared"][k] == len(whole[k][0]) - pack["seq_lens"][k]
     if not packing:
         assert all(len(p["seq_lens"]) == 2 for p in packs)
     else:
@@ -302,11 +333,7 @@ def test_a_pair_file_is_encoded_and_packed_back_to_its_prompt_and_answers(tmp_pa
     texts = []
     for pack in packs:
         assert len(pack["seq_lens"]) % 2 == 0
-        start = 0
-        for n in pack["seq_lens"]:
-            ids, labels = pack["input_ids"][start : start + n], pack["labels"][start : start + n]
-            texts.append((tok.decode(ids), learned(tok, ids, labels)))
-            start += n
+        texts += [(tok.decode(ids), learned(tok, ids, labels)) for ids, labels in whole_sequences(pack)]
     pairs = {chosen[0]: (chosen, rejected) for chosen, rejected in zip(texts[0::2], texts[1::2], strict=True)}
     assert len(pairs) == 10
     prompt = "<|im_start|>user\nSay 7.<|im_end|>\n<|im_start|>assistant\n"
@@ -456,11 +483,7 @@ def test_a_kto_file_packs_each_answer_with_its_prompt_and_the_previous_rows_answ
     units = []
     for pack in packs:
         assert len(pack["seq_lens"]) == 2 * len(pack["desirable"])
-        start, texts = 0, []
-        for n in pack["seq_lens"]:
-            ids, labels = pack["input_ids"][start : start + n], pack["labels"][start : start + n]
-            texts.append((tok.decode(ids), learned(tok, ids, labels)))
-            start += n
+        texts = [(tok.decode(ids), learned(tok, ids, labels)) for ids, labels in whole_sequences(pack)]
         units += list(zip(texts[0::2], texts[1::2], pack["desirable"], strict=True))
     kept = [i for i in range(9) if i != 4]
     assert len(units) == len(kept)

@@ -99,9 +99,9 @@ def test_each_example_attends_causally_on_its_own(monkeypatch):
     calls = []
     real = packed.CausalAttention.apply
 
-    def recording(q, k, v, scale, bounds):
+    def recording(q, k, v, scale, bounds, shared):
         calls.append([e - s for s, e in itertools.pairwise(bounds)])
-        return real(q, k, v, scale, bounds)
+        return real(q, k, v, scale, bounds, shared)
 
     monkeypatch.setattr(packed.CausalAttention, "apply", recording)
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_a_pack_with_an_example_past_our_kernel_goes_example_by_example(monkeypa
     bounds = torch.tensor([0, 3, 3 + lengths[1], sum(lengths)])
     seen = []
     real = packed.attend
-    monkeypatch.setattr(packed, "attend", lambda q, k, v, s: seen.append(q.shape[1]) or real(q, k, v, s))
+    monkeypatch.setattr(packed, "attend", lambda q, k, v, s, p: seen.append(q.shape[1]) or real(q, k, v, s, p))
     gen = torch.Generator().manual_seed(2)
     query, key, value = (torch.randn(1, h, sum(lengths), 8, generator=gen) for h in (4, 2, 2))
     out, _ = packed.packed_attention(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=bounds)
@@ -178,6 +178,48 @@ def test_without_boundaries_the_model_answers_as_with_sdpa():
         torch.testing.assert_close(ours.model(input_ids=ids).logits, reference.model(input_ids=ids).logits)
         kept = dict(max_new_tokens=5, do_sample=False)
         assert torch.equal(ours.model.generate(input_ids=ids, **kept), reference.model.generate(input_ids=ids, **kept))
+
+
+@pytest.mark.parametrize("path", ["ours", "example by example"])
+def test_a_shared_prefix_is_read_before_the_segment_s_own_tokens(monkeypatch, path):
+    """A pair's second sequence reads the first ``shared`` tokens of the sequence before it (its prompt), then its own
+    causally: output and gradients equal causal attention over prompt + own tokens, the own rows taken (fp32, 1e-5).
+    The long segments' queries go in blocks (our kernel), and the example-by-example path takes sdpa's masked call."""
+    if path != "ours":
+        monkeypatch.setattr(packed, "OURS_UP_TO", 8)
+    lengths, shared = [20, packed.SPLIT_FROM + 44, 7, 5, 9], [0, 19, 0, 6, 0]
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)])
+    gen = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(1, h, sum(lengths), 8, generator=gen, requires_grad=True) for h in (4, 2, 2)]
+    out, _ = packed.packed_attention(None, *inputs, None, scaling=0.3, cu_seq_lens_q=bounds,
+                                     shared_prefix=torch.tensor(shared, dtype=torch.int32))  # fmt: skip
+    grad = torch.randn(out.shape, generator=gen)
+    ours = torch.autograd.grad(out, inputs, grad)
+
+    flat = [x[0] for x in inputs]
+    pieces, starts = [], bounds.tolist()
+    for j, (s, e) in enumerate(itertools.pairwise(starts)):
+        keys = list(range(starts[j - 1], starts[j - 1] + shared[j])) + list(range(s, e)) if shared[j] else range(s, e)
+        whole = _causal_reference(flat[0][:, keys], flat[1][:, keys], flat[2][:, keys], 0.3)
+        pieces.append(whole[:, -(e - s) :])
+    reference = torch.cat(pieces, dim=1).transpose(0, 1)
+    torch.testing.assert_close(out[0], reference, atol=1e-5, rtol=1e-5)
+    expected = torch.autograd.grad(reference, inputs, grad[0])
+    for got, want in zip(ours, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_mask_of_a_pack_of_pairs_lets_the_second_sequence_read_the_shared_prompt():
+    from raylora.data.collate import block_causal_mask, segment_shared
+
+    allowed = block_causal_mask([[4, 3]], 8, shared=[[0, 3]])[0, 0] == 0
+    expected = torch.zeros(8, 8, dtype=torch.bool)
+    expected[:4, :4] = torch.ones(4, 4, dtype=torch.bool).tril()
+    expected[4:7, :3] = True  # the prompt but its last token, which begins the second sequence
+    expected[4:7, 4:7] = torch.ones(3, 3, dtype=torch.bool).tril()
+    expected[7, 7] = True  # padding reads itself
+    assert torch.equal(allowed, expected)
+    assert segment_shared([[4, 3], [2]], [[0, 3], [0]], 8).tolist() == [0, 3, 0, 0, 0]
 
 
 def _causal_reference(q, k, v, scale):
@@ -305,4 +347,18 @@ def test_more_segments_than_the_npu_kernel_takes_go_example_by_example(monkeypat
     packed.packed_attention(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=torch.tensor([0, 3, 6, 10]))
     assert calls == []
     packed.packed_attention(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=torch.tensor([0, 6, 10]))
+    assert len(calls) == 1
+
+
+def test_a_batch_of_pairs_on_the_npu_goes_example_by_example(monkeypatch):
+    """The fused kernel's TND layout cannot say that a segment reads another's prompt: pairs skip it."""
+    calls = _fake_torch_npu(monkeypatch)
+    monkeypatch.setattr(packed, "FUSED_ON", "cpu")
+    query, key, value = (torch.randn(1, h, 10, 8) for h in (4, 2, 2))
+    bounds = torch.tensor([0, 6, 10])
+    packed.packed_attention(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=bounds,
+                            shared_prefix=torch.tensor([0, 5], dtype=torch.int32))  # fmt: skip
+    assert calls == []
+    packed.packed_attention(None, query, key, value, None, scaling=0.3, cu_seq_lens_q=bounds,
+                            shared_prefix=torch.tensor([0, 0], dtype=torch.int32))  # fmt: skip
     assert len(calls) == 1

@@ -42,16 +42,21 @@ def _pairs(shapes=((5, 4, 6), (3, 7, 2)), seed: int = 0) -> list[dict]:
     ]  # fmt: skip
 
 
+def _shared_pack(units: list[tuple[list[int], list[int], list[int]]]) -> dict:
+    """One pack of ``(prompt, first answer, second answer)`` units as the data side lays them out
+    (:mod:`raylora.data.pairs`): the prompt with the first answer, then the prompt's last token with the second,
+    which reads the rest of the prompt from the first."""
+    examples, shared = [], []
+    for prompt, first, second in units:
+        examples += [(prompt + first, [-100] * len(prompt) + first), (prompt[-1:] + second, [-100] + second)]
+        shared += [0, len(prompt) - 1]
+    row = join(examples, shared)
+    return row | {"num_tokens": len(row["input_ids"])}
+
+
 def _row(pairs: list[dict]) -> dict:
-    """One pack of the pairs, each as prompt + chosen then prompt + rejected (the data side's contract)."""
-    examples = [
-        (p["prompt_ids"] + p[answer], [-100] * len(p["prompt_ids"]) + p[answer])
-        for p in pairs
-        for answer in ("chosen_ids", "rejected_ids")
-    ]
-    row = join(examples)
-    row["num_tokens"] = len(row["input_ids"])
-    return row
+    """One pack of the pairs: the prompt once, its chosen then its rejected answer."""
+    return _shared_pack([(p["prompt_ids"], p["chosen_ids"], p["rejected_ids"]) for p in pairs])
 
 
 def _peft():
@@ -125,13 +130,8 @@ def _kto_rows(seed: int = 0) -> list[dict]:
 
 def _kto_pack(rows: list[dict]) -> dict:
     """The rows as raylora packs them: each its prompt with its answer, then with its KL answer; labels beside."""
-    examples = [
-        (r["prompt_ids"] + r[key], [-100] * len(r["prompt_ids"]) + r[key])
-        for r in rows
-        for key in ("completion_ids", "KL_completion_ids")
-    ]
-    pack = join(examples)
-    return pack | {"num_tokens": len(pack["input_ids"]), "desirable": [r["label"] for r in rows]}
+    pack = _shared_pack([(r["prompt_ids"], r["completion_ids"], r["KL_completion_ids"]) for r in rows])
+    return pack | {"desirable": [r["label"] for r in rows]}
 
 
 @pytest.mark.parametrize(("seed", "weights"), [(5, (1.0, 1.0)), (5, (1.0, 1.5)), (0, (1.0, 1.0))])
@@ -222,21 +222,25 @@ def test_dpo_label_smoothing_is_conservative_dpo():
 
 
 def test_an_answers_log_probability_in_a_pack_equals_its_log_probability_alone():
-    pairs = _pairs(((5, 4, 6), (3, 7, 2), (8, 1, 9)))
+    """Packed with other pairs, the rejected answer after the prompt it shares with the chosen one, each answer has
+    the log-probability it has after its prompt in a sequence of its own (no pack, plain causal attention)."""
+    pairs = _pairs(((5, 4, 6), (3, 7, 2), (8, 1, 9), (1, 3, 3)))
     model = _ours("dpo", PreferenceArgs())
     with torch.no_grad():
         batch = collate_pairs([_row(pairs)], 0, torch.float32)
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")} | {
-            "cu_seq_lens_q": batch["cu_seq_lens"]
-        }
-        packed, _ = model.answer_logps(inputs, batch["labels"], batch["examples"], 2 * len(pairs))
-        for k, pair in enumerate(pairs):
-            alone = collate_pairs([_row([pair])], 0, torch.float32)
-            inputs = {k: alone[k] for k in ("input_ids", "attention_mask", "position_ids")} | {
-                "cu_seq_lens_q": alone["cu_seq_lens"]
-            }
-            single, _ = model.answer_logps(inputs, alone["labels"], alone["examples"], 2)
-            torch.testing.assert_close(packed[2 * k : 2 * k + 2], single, atol=1e-5, rtol=1e-5)
+            "cu_seq_lens_q": batch["cu_seq_lens"], "shared_prefix": batch["shared_prefix"]
+        }  # fmt: skip
+        packed, tokens = model.answer_logps(inputs, batch["labels"], batch["examples"], 2 * len(pairs))
+        alone = []
+        for pair in pairs:
+            for answer in ("chosen_ids", "rejected_ids"):
+                ids = torch.tensor([pair["prompt_ids"] + pair[answer]])
+                logits = model.model(input_ids=ids).logits[0, :-1].log_softmax(-1)
+                rows = torch.arange(len(pair["prompt_ids"]) - 1, ids.shape[1] - 1)
+                alone.append(logits[rows, ids[0, rows + 1]].sum())
+        torch.testing.assert_close(packed, torch.stack(alone), atol=1e-5, rtol=1e-5)
+        assert tokens.tolist() == [len(p[a]) for p in pairs for a in ("chosen_ids", "rejected_ids")]
 
 
 def _step(model, rows: list[dict], per_micro: int, world: int) -> dict:
@@ -282,7 +286,7 @@ def test_accumulation_does_not_change_a_preference_step(objective):
     whole = _step(_ours(objective, PreferenceArgs()), _rows(), per_micro=4, world=1)
     accumulated = _step(_ours(objective, PreferenceArgs()), _rows(), per_micro=1, world=1)
     _assert_same(accumulated, whole)
-    assert set(whole["metrics"]) == set(STATS)
+    assert set(whole["metrics"]) == {*STATS, "pairs"} and whole["metrics"]["pairs"] == 6
 
 
 def test_two_workers_take_the_same_preference_step_as_one(tmp_path):
@@ -310,6 +314,6 @@ def test_two_kto_workers_take_the_step_of_one_whose_micro_batches_hold_the_same_
     packs = _kto_packs()
     one = _step(_ours("kto", PreferenceArgs()), [packs[0], packs[2], packs[1], packs[3]], per_micro=2, world=1)
     assert set(one["metrics"]) == {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-                                   "logps/rejected", "kl"}  # fmt: skip
+                                   "logps/rejected", "kl", "answers"} and one["metrics"]["answers"] == 7  # fmt: skip
     run_two_ranks(_kto_ddp_worker, str(tmp_path))
     _assert_same(torch.load(tmp_path / "result.pt"), one)
