@@ -147,6 +147,14 @@ class TrainArgs:
     log_every: int = _f(1, help="steps between progress lines and MLflow metrics", min=1)
     eval_every: int = _f(0, help="steps between evaluations (0: only at the end)", min=0)
     checkpoint_every: int = _f(0, help="steps between checkpoints (0: only at the end)", min=0)
+    generate_eval_every: int = _f(
+        0,
+        help="steps between generation evals during training (and at the end): rank 0 answers train.generate_eval_rows "
+        "rows of the eval set (eval.sources, else the held-out split) with the adapter so far, logged as "
+        "gen_<metric> for each of eval.metrics but reference_loss and judge (0: none)",
+        min=0,
+    )
+    generate_eval_rows: int = _f(16, help="rows of the eval set a generation eval answers", min=1)
     keep_checkpoints: int = _f(2, help="checkpoints kept (the newest)", min=1)
     max_failures: int = _f(2, help="worker-group restarts from the last checkpoint before the run fails", min=0)
     nan_tolerance: int = _f(5, help="non-finite steps in a row before rolling back to the last good checkpoint", min=1)

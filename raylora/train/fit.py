@@ -127,6 +127,19 @@ def _finished(cfg: JobConfig, out: Path, log) -> dict[str, Any] | None:
             "history": history}  # fmt: skip
 
 
+def _check_generation_rows(cfg: JobConfig) -> None:
+    """With ``train.generate_eval_every``, the eval set it answers: readable, with rows, known metrics.
+
+    Raises:
+        ConfigError: every problem with the eval set.
+    """
+    if cfg.train.generate_eval_every:
+        # here, not at the top: the eval set's reader and metrics (nltk, jieba) take 2 s to import, for such runs only
+        from raylora.eval.in_training import training_rows
+
+        training_rows(cfg)
+
+
 def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:
     """Run every check; one problem raises as it is, several as one :class:`ConfigError` listing each (a job with a
     mistyped data path, model and layer took three runs to learn of all three).
@@ -139,12 +152,15 @@ def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:
     for key, check in checks.items():
         try:
             check()
+        except ConfigError as e:  # several problems of one kind (the eval set's)
+            found += [(key, ConfigError([problem], "the job")) for problem in e.problems]
         except (BackendError, DataError, ModelError, CheckpointError) as e:
             found.append((key, e))
     if len(found) == 1:
         raise found[0][1]
     if found:
-        raise ConfigError([(key, str(e)) for key, e in found], "the job")
+        raise ConfigError([(e.problems[0] if isinstance(e, ConfigError) else (key, str(e))) for key, e in found],
+                          "the job")  # fmt: skip
 
 
 def check_before_data(cfg: JobConfig) -> JobConfig:
@@ -171,6 +187,8 @@ def check_before_data(cfg: JobConfig) -> JobConfig:
         "model": lambda: target_modules(model_skeleton(cfg.model), cfg.lora.target_modules),  # a model or layer name
         # a checkpoint of another model or LoRA shape: here, not in every restart of the workers
         "train.output_dir": lambda: resume is not None and check_compatible(resume, cfg),
+        # the eval set a generation eval during training answers: readable, with rows, known metrics
+        "train.generate_eval_every": lambda: _check_generation_rows(cfg),
     }
     _all_at_once(checks)
     if cfg.tracking.enabled:  # a server down is a failed run (exit 1), not bad input: on its own

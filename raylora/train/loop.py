@@ -196,6 +196,11 @@ def train_worker(config: dict) -> dict:
             metrics.update(
                 evaluation(loss_model, eval_shard, train.batch_size, tokenizer.pad_token_id, mask_dtype, backend, world)
             )
+        if when.generate and rank == 0:
+            # here, not at the top: the metrics' libraries (nltk, jieba) take 2 s to import, for runs that generate only
+            from raylora.eval.in_training import generation_scores
+
+            metrics.update(generation_scores(model, tokenizer, config["generate_rows"], cfg, backend.autocast))
         if when.final and not params_finite(p for p in model.parameters() if p.requires_grad):
             return outcome("diverged", state, resumed_from)
         state.history.append({"step": state.step, **metrics})

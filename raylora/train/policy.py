@@ -117,20 +117,25 @@ def roll_back(
 
 @dataclass(frozen=True)
 class Due:
-    """What a counted step ends with: ``final`` (``train.max_steps``), an evaluation, a checkpoint, a log line."""
+    """What a counted step ends with: ``final`` (``train.max_steps``), an evaluation, a checkpoint, a log line, a
+    generation eval."""
 
     final: bool
     evaluate: bool
     save: bool
     log: bool
+    generate: bool
 
 
 def due(step: int, train: TrainArgs) -> Due:
-    """The cadence of step ``step`` (counted from 1): the last step evaluates, saves and logs."""
+    """The cadence of step ``step`` (counted from 1): the last step evaluates, saves and logs, and generates when
+    ``train.generate_eval_every`` is set."""
     final = step == train.max_steps
     evaluate = final or bool(train.eval_every and step % train.eval_every == 0)
     save = final or bool(train.checkpoint_every and step % train.checkpoint_every == 0)
-    return Due(final, evaluate, save, final or evaluate or save or step % train.log_every == 0)
+    every = train.generate_eval_every
+    generate = bool(every) and (final or step % every == 0)
+    return Due(final, evaluate, save, final or evaluate or save or generate or step % train.log_every == 0, generate)
 
 
 def step_metrics(

@@ -47,6 +47,12 @@ def build_trainer(
 
     dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     packs = {name: d for name, d in datasets.items() if isinstance(d, Packs)}
+    rows = []
+    if cfg.train.generate_eval_every:
+        # the eval set's reader and metrics (nltk, jieba, Ray Data's generation path): 2 s more, for such runs only
+        from raylora.eval.in_training import training_rows
+
+        rows = training_rows(cfg)
     return TorchTrainer(
         _train_worker,
         train_loop_config={
@@ -56,6 +62,7 @@ def build_trainer(
             "packs": packs,
             "datasets": sorted(datasets),
             "report_every": report_every,
+            "generate_rows": rows,
         },
         torch_config=TorchConfig(backend=dist_backend, timeout_s=store_timeout_s(env)),
         scaling_config=ScalingConfig(**scaling),

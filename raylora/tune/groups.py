@@ -54,7 +54,7 @@ def check(cfg: JobConfig) -> None:
 
     Raises:
         ConfigError: a searched key that members must share, DoRA, a ``torch.compile`` or ``comm_hook`` job, a
-            preference objective.
+            preference objective, generation evals during training.
     """
     k = cfg.tune.trials_per_group
     problems: list[tuple[str, str]] = []
@@ -71,6 +71,9 @@ def check(cfg: JobConfig) -> None:
         problems.append(("train.compile", f"is not supported with tune.trials_per_group={k}; set it to false"))
     if cfg.train.objective != "sft":
         problems.append(("train.objective", f"{cfg.train.objective}: a group trains supervised fine-tuning only; set "
+                         "tune.trials_per_group=1 (each trial its own Ray Train run)"))  # fmt: skip
+    if cfg.train.generate_eval_every:
+        problems.append(("train.generate_eval_every", "a group does not generate during training; set it to 0, or "
                          "tune.trials_per_group=1 (each trial its own Ray Train run)"))  # fmt: skip
     for value in trial_values(cfg, "lora.use_dora"):
         if value:

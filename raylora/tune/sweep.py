@@ -280,11 +280,12 @@ def _check_data(cfg: JobConfig, data) -> None:
 
 
 def check_sweep(cfg: JobConfig) -> None:
-    """The search space's, for a grouped sweep the groups', and for a sweep choosing on answers the eval set's
-    problems, all in one :class:`ConfigError`."""
+    """The search space's, for a grouped sweep the groups', and for a sweep choosing on answers (or generating during
+    training) the eval set's problems, all in one :class:`ConfigError`."""
     problems = []
     checks = [space.check] + ([groups.check] if cfg.tune.trials_per_group > 1 else [])
-    for check in checks + ([lambda c: check_eval(c, with_candidates=False)] if cfg.tune.answers else []):
+    answers = cfg.tune.answers or cfg.train.generate_eval_every  # the eval set is read to choose, or to generate
+    for check in checks + ([lambda c: check_eval(c, with_candidates=False)] if answers else []):
         try:
             check(cfg)
         except ConfigError as e:

@@ -57,7 +57,8 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     cfg = job(
         tmp, "train.max_steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=2", "train.grad_accum=2",
-        "train.recompute_every=1", "train.profile=true",
+        "train.recompute_every=1", "train.profile=true", "train.generate_eval_every=6", "train.generate_eval_rows=4",
+        "eval.max_tokens=16", "eval.metrics=[exact_match, rouge-l, length]",
     )  # fmt: skip
     return tmp, cfg, fit(cfg, log=lambda s: None)
 
@@ -87,6 +88,12 @@ def test_mlflow_run_has_params_metrics_and_artifacts(trained):
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
     assert steps == [2, 4, 6, 8, 10, 12]
     assert {"tokens_per_s", "lr", "grad_norm", "eval_loss", "peak_memory_mb"} <= set(run.data.metrics)
+    # rank 0 answered 4 held-out rows at steps 6 and 12 (the other worker waiting), scored as raylora eval scores
+    for name in ("gen_exact_match", "gen_rouge-l", "gen_length"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [6, 12], name
+    history = json.loads((tmp / "run" / "history.json").read_text())
+    assert [h["step"] for h in history if "gen_length" in h] == [6, 12]
+    assert all(0 < h["gen_length"] <= 16 and 0 <= h["gen_rouge-l"] <= 100 for h in history if "gen_length" in h)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"adapter", "config.yaml", "loss.png", "history.json", "profile"} <= artifacts
     profile = {a.path for a in client.list_artifacts(run.info.run_id, "profile")}

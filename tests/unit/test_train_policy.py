@@ -34,6 +34,13 @@ def test_the_cadence_logs_evaluates_and_saves_on_its_steps_and_always_on_the_las
     assert [s for s, d in seen.items() if d.save] == [5, 10]
     assert [s for s, d in seen.items() if d.final] == [10]
     assert not any(due(s, TrainArgs(max_steps=10, log_every=20)).log for s in range(1, 10))
+    assert not any(d.generate for d in seen.values())  # train.generate_eval_every: 0
+
+
+def test_generation_evals_come_on_their_steps_and_the_last_and_are_logged():
+    seen = {step: due(step, TrainArgs(max_steps=10, log_every=20, generate_eval_every=4)) for step in range(1, 11)}
+    assert [s for s, d in seen.items() if d.generate] == [4, 8, 10]
+    assert [s for s, d in seen.items() if d.log] == [4, 8, 10]
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,7 @@ def test_members_must_share_the_model_the_data_and_the_workers():
     )
     assert "only lora.*, train.* and preference.* keys" in found["tune.space.model.name_or_path"]
     assert "only lora.*, train.* and preference.* keys" in found["tune.space.data.cutoff_len"]
-    cfg = load_config(CONFIG, ["tune.trials_per_group=4", "train.compile=true",
+    cfg = load_config(CONFIG, ["tune.trials_per_group=4", "train.compile=true", "train.generate_eval_every=2",
                                "tune.space={train.cpus_per_worker: {choice: [1, 2]}, lora.use_dora: {choice: [true, false]}}"])  # fmt: skip
     with pytest.raises(ConfigError) as e:
         groups.check(cfg)
@@ -93,6 +93,7 @@ def test_members_must_share_the_model_the_data_and_the_workers():
     assert "members of a group share it" in grouped["tune.space.train.cpus_per_worker"]
     assert "lora.use_dora=true" in grouped["tune.space.lora.use_dora"]
     assert "train.compile" in grouped
+    assert grouped["train.generate_eval_every"].startswith("a group does not generate during training")
 
 
 def test_the_sweep_lists_the_space_and_the_group_problems_together(tmp_path):

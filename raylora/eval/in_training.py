@@ -1,0 +1,59 @@
+"""A small generation eval during training (``train.generate_eval_every``): the adapter being trained answers the first
+``train.generate_eval_rows`` rows of the eval set through the serving engine, scored with ``eval.metrics`` as
+``raylora eval`` scores them, logged as ``gen_<metric>`` beside the step's other metrics.
+
+The driver reads the rows once (:func:`training_rows`, the eval set ``raylora eval`` reads: ``eval.sources``, else the
+held-out split) and hands them to the workers; rank 0 answers them (:func:`generation_scores`) between two steps, with
+the model in eval mode and the adapter as it is, while the other ranks wait at the next step's collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from raylora.config import ConfigError, JobConfig
+from raylora.eval.metrics import means, score_row
+from raylora.eval.run import check_eval
+from raylora.generation import GenRequest, answer_all
+
+
+def training_rows(cfg: JobConfig) -> list[dict[str, Any]]:
+    """The rows a run's generation evals answer, as plain dicts (they travel in the workers' config); none when
+    ``train.generate_eval_every`` is 0.
+
+    Raises:
+        ConfigError: the eval set cannot be read or holds no row with a reference, or a metric is unknown.
+    """
+    if not cfg.train.generate_eval_every:
+        return []
+    _, rows, _ = check_eval(cfg, "train.generate_eval_every", with_candidates=False)
+    if not rows:
+        raise ConfigError([("train.generate_eval_every", "the eval set holds no row to answer")], "the job")
+    return [dataclasses.asdict(r) for r in rows[: cfg.train.generate_eval_rows]]
+
+
+def generation_scores(
+    model, tokenizer, rows: list[dict[str, Any]], cfg: JobConfig,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:  # fmt: skip
+    """``model``'s (a peft model: its ``default`` adapter answers) mean ``eval.metrics`` over ``rows``, as
+    ``{"gen_<metric>": value}``; the model is in eval mode while it answers and back in its mode after."""
+    e = cfg.eval
+    reqs = [GenRequest(r["prompt_ids"], "default", e.max_tokens, e.temperature, e.top_p, tuple(e.stop), e.seed)
+            for r in rows]  # fmt: skip
+    training = model.training
+    model.eval()
+    try:
+        events = answer_all(model, tokenizer, reqs, autocast)
+    finally:
+        model.train(training)
+    metrics = [m for m in e.metrics if m not in ("reference_loss", "judge")]
+    scored = [
+        {"candidate": "adapter", "source": r["source"],
+         "scores": score_row(ev.text, r["reference"], r["calls"], r["tools"], r["keys"], ev.completion_tokens, metrics)}
+        for r, ev in zip(rows, events, strict=True)
+    ]  # fmt: skip
+    return {f"gen_{m}": v for m, v in means(scored, metrics)["adapter"]["metrics"].items()}
