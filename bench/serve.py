@@ -22,8 +22,11 @@ Runs, back to back in this process:
   prefix                  16 streaming clients, one ~600-token system prompt and a short alpaca question each,
                           max_tokens 16: time to first token (p50, p99) with the prefix cache
                           (serve.prefix_cache_mb) against it off, and whether every greedy answer is the same
+  llamacpp                ours quantised against llama.cpp's `llama-server -t 2 --parallel 16 -cb` in F16, Q8_0 and
+                          the shipped Q4_1 (bench/llama_cpp.py; skipped, saying so, without LLAMA_CPP_BIN): tokens/s,
+                          latency, time to first token of the same workload streamed, batch-1 decode, memory
 
-    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora,prefill,decode,json,prefix]
+    .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora,prefill,decode,json,prefix,llamacpp]
 """
 
 from __future__ import annotations
@@ -415,13 +418,15 @@ SYSTEM = " ".join(
 )
 
 
-def first_tokens(url: str, model: str, clients: int, n: int, max_tokens: int = 16) -> dict:
-    """``n`` streamed chat requests from ``clients`` threads, each the shared system prompt and one question:
-    time to the first content chunk per request, the answers, and the usage of the last chunk."""
+def first_tokens(url: str, model: str, clients: int, n: int, max_tokens: int = 16, system: str | None = None) -> dict:
+    """``n`` streamed chat requests from ``clients`` threads, each one question after ``system`` (if any): time to the
+    first content chunk per request, the answers, the usage of the last chunk, and generated tokens/s (counted from
+    the usage, or as content chunks where a server sends none)."""
     qs = questions(n)
     lock = threading.Lock()
-    ttft, answers, cached, prompt = [], [""] * n, [], []
+    ttft, answers, cached, prompt, generated = [], [""] * n, [], [], []
     todo = list(range(n))
+    head = [{"role": "system", "content": system}] if system else []
 
     def client() -> None:
         while True:
@@ -429,27 +434,30 @@ def first_tokens(url: str, model: str, clients: int, n: int, max_tokens: int = 1
                 if not todo:
                     return
                 i = todo.pop(0)
-            body = {"model": model, "messages": [{"role": "system", "content": SYSTEM}, *qs[i]], "stream": True,
-                    "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
-            started, first = time.monotonic(), None
+            body = {"model": model, "messages": [*head, *qs[i]], "stream": True, "max_tokens": max_tokens,
+                    "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+            started, first, chunks, usage = time.monotonic(), None, 0, None
             with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        with lock:
-                            cached.append(chunk["usage"]["prompt_tokens_details"]["cached_tokens"])
-                            prompt.append(chunk["usage"]["prompt_tokens"])
+                    usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices", []):
                         text = choice["delta"].get("content") or ""
                         if text and first is None:
                             first = time.monotonic() - started
+                        chunks += bool(text)
                         answers[i] += text
             with lock:
                 ttft.append(first if first is not None else time.monotonic() - started)
+                generated.append(usage["completion_tokens"] if usage else chunks)
+                if usage:
+                    cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+                    prompt.append(usage["prompt_tokens"])
 
+    started = time.monotonic()
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
         t.start()
@@ -457,7 +465,33 @@ def first_tokens(url: str, model: str, clients: int, n: int, max_tokens: int = 1
         t.join()
     q = statistics.quantiles(ttft, n=100)
     return {"p50_s": q[49], "p99_s": q[98], "answers": answers, "cached_tokens": sum(cached),
-            "prompt_tokens": sum(prompt), "requests": n}  # fmt: skip
+            "prompt_tokens": sum(prompt), "requests": n, "tok_s": sum(generated) / (time.monotonic() - started)}  # fmt: skip
+
+
+LONG_ANSWER = "Write a long story about a lighthouse keeper and a storm, with many details."
+
+
+def decode_one(url: str, model: str, tries: int = 3, max_tokens: int = 128) -> float:
+    """Batch-1 decode tokens/s through the server: one streamed request at a time asking for a long answer, its
+    generated tokens (the usage, or its content chunks where a server sends none) less the first, over the time from
+    its first content chunk to its last; the best of ``tries``."""
+    best = 0.0
+    for _ in range(tries):
+        body = {"model": model, "messages": [{"role": "user", "content": LONG_ANSWER}], "stream": True,
+                "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+        times, usage = [], None
+        with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    if any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                        times.append(time.monotonic())
+        tokens = usage["completion_tokens"] if usage else len(times)
+        if len(times) > 1:
+            best = max(best, (tokens - 1) / (times[-1] - times[0]))
+    return best
 
 
 def prefix_run(dtype: str, clients: int, n: int, cache_mb: float) -> dict:
@@ -473,12 +507,67 @@ def prefix_run(dtype: str, clients: int, n: int, cache_mb: float) -> dict:
     cfg["serve"]["prefix_cache_mb"] = cache_mb
     cfg = from_dict(cfg)
     url = start(cfg)
-    first_tokens(url, served_name(cfg), 1, 2)  # warm-up: the system prompt is seen before, as in a running service
-    out = first_tokens(url, served_name(cfg), clients, n)
+    first_tokens(url, served_name(cfg), 1, 2, system=SYSTEM)  # warm-up: the system prompt seen before, as in service
+    out = first_tokens(url, served_name(cfg), clients, n, system=SYSTEM)
     serve.delete(APP_NAME)
     serve.shutdown()
     ray.shutdown()
     return out
+
+
+def versus_llama_cpp(clients: int, n: int, quantization: str) -> dict:
+    """`llamacpp`: our W8A8 server, then llama.cpp's server on the same cores in each GGUF precision (a fresh server
+    each), each measured alike: the non-streaming load, time to first token over the same workload streamed, and
+    batch-1 decode. Memory: ours the whole Ray cluster and the replica process apart; llama.cpp its one process."""
+    from llama_cpp import Server, binaries, ggufs
+
+    from raylora.serve.app import served_name
+
+    bin_dir = binaries()
+    if bin_dir is None:
+        return {"missing": "llama.cpp not found: set LLAMA_CPP_BIN to a folder with llama-server and llama-quantize "
+                           "(docs/benchmarks.md#against-llamacpp)"}  # fmt: skip
+    cfg = _config("float32", 16, quantization)
+
+    def after(url: str) -> dict:
+        name = served_name(cfg)
+        return {"replica_mb": replica_rss_mb(), "ttft": first_tokens(url, name, clients, n, 64),
+                "b1_tok_s": decode_one(url, name)}  # fmt: skip
+
+    results = {f"raylora serve, {quantization}": run_ours(cfg, clients, n, after=after)}
+    for precision, gguf in ggufs(bin_dir).items():
+        with Server(bin_dir, gguf, _port(), clients) as server:
+            load(server.url, "smollm2", 2, 2, 8)  # warm-up
+            peak = Peak(server.rss_mb)
+            out = load(server.url, "smollm2", clients, n)
+            out["peak_mb"] = peak.stop()
+            out["ttft"] = first_tokens(server.url, "smollm2", clients, n, 64)
+            out["b1_tok_s"] = decode_one(server.url, "smollm2")
+        results[f"llama-server {precision}"] = out
+    return results
+
+
+def print_versus(results: dict, clients: int) -> None:
+    if "missing" in results:
+        print(f"\nagainst llama.cpp: {results['missing']}")
+        return
+    print(f"\nagainst llama.cpp, {clients} clients, 64-token greedy answers (ours first):\n"
+          "| server | generated tok/s | p50 s | p99 s | TTFT p50 s | TTFT p99 s | batch-1 decode tok/s | memory MiB |\n"
+          "|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for name, r in results.items():
+        memory = f"{r['peak_mb']:.0f}" + (f" (replica {r['replica_mb']:.0f})" if "replica_mb" in r else "")
+        print(f"| {name} | {r['tok_s']:.1f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['ttft']['p50_s']:.2f} | "
+              f"{r['ttft']['p99_s']:.2f} | {r['b1_tok_s']:.1f} | {memory} |")  # fmt: skip
+    ours = next(iter(results.values()))
+    theirs = {k: v for k, v in results.items() if k.startswith("llama-server")}
+    best = max(theirs, key=lambda k: theirs[k]["tok_s"])
+    q8 = theirs.get("llama-server Q8_0")
+    print(f"ours / llama.cpp's fastest ({best}): {ours['tok_s'] / theirs[best]['tok_s']:.2f}x tokens/s (target >= 1.2); "
+          f"TTFT p50 {ours['ttft']['p50_s']:.2f} vs {theirs[best]['ttft']['p50_s']:.2f} s, p99 "
+          f"{ours['ttft']['p99_s']:.2f} vs {theirs[best]['ttft']['p99_s']:.2f} s (target: not worse)")  # fmt: skip
+    if q8:
+        print(f"batch-1 decode, ours / llama.cpp Q8_0: {ours['b1_tok_s'] / q8['b1_tok_s']:.2f}x (target >= 1)")
+    print(f"replica memory {ours['replica_mb']:.0f} MiB (target <= 1,024 with 8 adapters: see --runs lora)")
 
 
 def decode_speed(lengths=(64, 2048)) -> dict:
@@ -534,6 +623,7 @@ def main() -> None:
     runs["decode"] = decode_speed
     runs["json"] = lambda: structured(args.dtype, c, n)
     runs["prefix"] = lambda: {"off": prefix_run(args.dtype, c, n, 0), "on": prefix_run(args.dtype, c, n, 64)}
+    runs["llamacpp"] = lambda: versus_llama_cpp(c, n, args.quantization)
     wanted = args.runs.split(",")
     results = {}
     for key in wanted:
@@ -544,6 +634,7 @@ def main() -> None:
     decode = results.pop("decode", None)
     constrained = results.pop("json", None)
     prefix = results.pop("prefix", None)
+    versus = results.pop("llamacpp", None)
 
     print(f"\n{c} concurrent clients, 64-token answers, SmolLM2-135M-Instruct, {args.dtype}\n")
     print("| server | generated tok/s | p50 s | p99 s | peak memory MiB | requests |\n|---|---|---|---|---|---|")
@@ -605,6 +696,8 @@ def main() -> None:
               f"| on (64 MB) | {on['p50_s']:.3f} | {on['p99_s']:.3f} | {on['cached_tokens']} of {on['prompt_tokens']} |\n"
               f"off / on: p50 {off['p50_s'] / on['p50_s']:.2f}x, p99 {off['p99_s'] / on['p99_s']:.2f}x (target >= 3); "
               f"greedy answers the same: {same} of {len(on['answers'])}")  # fmt: skip
+    if versus:
+        print_versus(versus, c)
     if decode:
         a, b = sorted(decode)
         print(f"\ndecode, batch 1: {decode[a]:.1f} tok/s over {a} tokens, {decode[b]:.1f} tok/s over {b} tokens "
