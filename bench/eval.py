@@ -8,15 +8,17 @@ clock starts before its model is loaded (each side loads and quantises the same 
 answer.
 
 Runs, back to back in this process:
-  ours     raylora.eval.run.evaluate: one Ray Data actor (2 CPUs, engine_threads 1, max_batch_size 16) holding the base
-           and every adapter, the rows of all adapters interleaved in its batches
+  ours     raylora.eval.run.evaluate: one Ray Data actor (2 CPUs, engine_threads 1, eval.max_batch_size: its default,
+           64, two batches of 64 rows in flight) holding the base and every adapter, the rows of all adapters
+           interleaved in its batches
   hf       Hugging Face batched `generate` with peft, what LLaMA-Factory's predict does: the base and every adapter
-           loaded as peft adapters, then per adapter `set_adapter` and batches of 16 left-padded prompts
+           loaded as peft adapters, then per adapter `set_adapter` and batches of --hf-batch (16) left-padded prompts
   http     16 HTTP clients against `raylora serve` on the same base (max_batch_size 16, engine_threads 1, an LRU
            that holds every adapter), each sending prompt x adapter requests until all are answered
   memory   resident memory of one eval actor (in its own process) holding the base with 1 and with 8 adapters
 
     .venv/bin/python bench/eval.py [--prompts 200] [--adapters 4] [--max-tokens 64] [--runs ours,hf,http,memory]
+        [--hf-batch 16]
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def run_ours(cfg) -> dict:
             "failed": summary["failed"]}  # fmt: skip
 
 
-def run_hf(cfg, root: Path, names: list[str]) -> dict:
+def run_hf(cfg, root: Path, names: list[str], batch_size: int) -> dict:
     import torch
     from peft import PeftModel
 
@@ -106,8 +108,8 @@ def run_hf(cfg, root: Path, names: list[str]) -> dict:
     with torch.no_grad():
         for name in names:
             model.set_adapter(name)
-            for i in range(0, len(rows), BATCH):
-                batch = [r.prompt_ids for r in rows[i : i + BATCH]]
+            for i in range(0, len(rows), batch_size):
+                batch = [r.prompt_ids for r in rows[i : i + batch_size]]
                 width = max(map(len, batch))
                 ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
                 mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
@@ -168,6 +170,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--runs", default="ours,hf,http,memory")
+    p.add_argument("--hf-batch", type=int, default=BATCH, help="prompts per generate call of the hf run")
     args = p.parse_args()
     runs = args.runs.split(",")
     root = Path(tempfile.mkdtemp())
@@ -177,7 +180,7 @@ def main() -> None:
     if "ours" in runs:
         results["ours"] = run_ours(cfg)
     if "hf" in runs:
-        results["hf"] = run_hf(cfg, root, names[: args.adapters])
+        results["hf"] = run_hf(cfg, root, names[: args.adapters], args.hf_batch)
     if "http" in runs:
         results["http"] = run_http(cfg, names[: args.adapters], args.clients)
     if "memory" in runs:

@@ -407,7 +407,16 @@ class EvalArgs:
     actors_per_node: int = _f(1, help="generation actors per Ray node, each holding one copy of the base", min=1)
     cpus_per_actor: float = _f(1.0, help="CPUs each generation actor takes (and its torch threads)", gt=0)
     batch_rows: int = _f(
-        64, help="rows handed to an actor at once (its engine decodes serve.max_batch_size of them together)", min=1
+        64,
+        help="rows handed to an actor at once (two batches in flight per actor; its engine decodes "
+        "eval.max_batch_size rows together)",
+        min=1,
+    )
+    max_batch_size: int = _f(
+        64,
+        help="sequences an actor's engine decodes together: more than serving's, since an eval waits for its "
+        "throughput, not for each answer",
+        min=1,
     )
     judge: JudgeArgs = _f(help="a model scoring each answer against its reference (optional)", factory=JudgeArgs)
     output_dir: str = _f("outputs/eval", help="where answers.jsonl, rejects.jsonl, report.md/.json and the chart go",

@@ -3,9 +3,10 @@
 Each actor (:class:`Answerer`) holds one copy of the base model (quantised per ``serve.quantization``), every
 candidate adapter attached through the serving replica's :class:`~raylora.serve.bank.AdapterBank`, and the serving
 :class:`~raylora.generation.Engine`: the rows of a batch, whatever candidate each asks, decode together (peft's
-mixed-adapter batch), ``serve.max_batch_size`` at a time, continuously batched. The dataset holds one row per
+mixed-adapter batch), ``eval.max_batch_size`` at a time, continuously batched. The dataset holds one row per
 (prompt, candidate), candidates interleaved, so every batch mixes adapters; ``map_batches`` streams batches through
-``eval.actors_per_node`` actors per node.
+``eval.actors_per_node`` actors per node, two batches in flight in each actor, so that its engine takes the next
+batch's rows while the last answers of a batch finish (a batch waits for its longest answer).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Answerer:
         torch.set_num_threads(max(1, round(cfg.eval.cpus_per_actor)))
         threads = cfg.serve.engine_threads or max(1, round(cfg.eval.cpus_per_actor))
         model, tokenizer, quantization = load_serving_model(cfg)
-        self.engine = Engine(model, tokenizer, cfg.serve.max_batch_size, 0, threads, cfg.serve.max_prefill_tokens,
+        self.engine = Engine(model, tokenizer, cfg.eval.max_batch_size, 0, threads, cfg.serve.max_prefill_tokens,
                              prefix_cache=sized(cfg.serve.prefix_cache_mb, model.config))  # fmt: skip
         bank = AdapterBank(self.engine, model, cfg.serve, bool(quantization))
         for name, path in adapters.items():
@@ -113,7 +114,9 @@ def generate(cfg: JobConfig, rows: list[EvalRow], candidates: list[Candidate]) -
         fn_constructor_kwargs={"cfg": to_dict(cfg), "adapters": adapters},
         batch_size=cfg.eval.batch_rows,
         batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=actors),
+        compute=ray.data.ActorPoolStrategy(
+            size=actors, max_concurrent_calls_per_actor=2, enable_true_multi_threading=True
+        ),
         num_cpus=cfg.eval.cpus_per_actor,
     )
     order = {c.name: k for k, c in enumerate(candidates)}
