@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve import MODEL, load, make_adapters  # noqa: E402
+from serve import MODEL, load, make_adapters, questions  # noqa: E402
 
 from data import SHARED  # noqa: E402
 
@@ -129,9 +129,11 @@ def run_http(cfg, names: list[str], clients: int) -> dict:
     from raylora.serve.launch import APP_NAME, start
 
     n = cfg.eval.max_rows
+    asked = questions(n)  # the eval's prompts, each asked of every adapter: request i is prompt i // k, adapter i % k
     started = time.perf_counter()
     url = start(cfg)
-    got = load(url, lambda i: names[i % len(names)], clients, n * len(names), cfg.eval.max_tokens)
+    got = load(url, lambda i: names[i % len(names)], clients, n * len(names), cfg.eval.max_tokens,
+               prompts=[asked[i // len(names)] for i in range(n * len(names))])  # fmt: skip
     wall = time.perf_counter() - started
     serve.delete(APP_NAME)
     serve.shutdown()

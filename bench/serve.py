@@ -82,10 +82,12 @@ TOOL_SCHEMA = {  # a typical tool: four arguments, an enum, a nested object
 }
 
 
-def load(url: str, model, clients: int, n: int, max_tokens: int = 64, extra: dict | None = None) -> dict:
+def load(
+    url: str, model, clients: int, n: int, max_tokens: int = 64, extra: dict | None = None, prompts: list | None = None
+) -> dict:
     """``n`` requests from ``clients`` threads; ``model`` is a name or a function of the request index; ``extra``
-    joins every request's body."""
-    qs = questions(n)
+    joins every request's body; request ``i`` asks ``prompts[i]`` (default: the first ``n`` alpaca questions)."""
+    qs = prompts or questions(n)
     lock = threading.Lock()
     latencies: list[float] = []
     errors: list[Exception] = []
