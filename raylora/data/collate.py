@@ -58,25 +58,19 @@ def segment_bounds(seq_lens: list[list[int]], width: int) -> torch.Tensor:
 def segment_shared(seq_lens: list[list[int]], shared: list[list[int]], width: int) -> torch.Tensor:
     """Each segment of :func:`segment_bounds`, its ``shared`` count (the leading tokens of the segment before it
     that it reads), int32; padding's are 0."""
-    counts = [n for row, lens in enumerate(seq_lens) for n in [*shared[row], *[0] * _padding(lens, width)]]
-    return torch.tensor(counts, dtype=torch.int32)
+    return torch.tensor([count for _, count in _segments(seq_lens, width, shared)], dtype=torch.int32)
 
 
-def _segments(seq_lens: list[list[int]], width: int):
-    """Each segment's end over the flattened tokens, and its row."""
+def _segments(seq_lens: list[list[int]], width: int, shared: list[list[int]] | None = None):
+    """Each segment's end over the flattened tokens, and its shared count (0 without ``shared``, and for padding)."""
     for row, lens in enumerate(seq_lens):
         end = row * width
-        for n in lens:
+        for k, n in enumerate(lens):
             end += n
-            yield end, row
+            yield end, shared[row][k] if shared else 0
         while end < (row + 1) * width:
             end = min(end + PAD_SEGMENT, (row + 1) * width)
-            yield end, row
-
-
-def _padding(lens: list[int], width: int) -> int:
-    """How many padding segments a row of examples ``lens`` ends in."""
-    return -(-(width - sum(lens)) // PAD_SEGMENT)
+            yield end, 0
 
 
 def collate_packs(

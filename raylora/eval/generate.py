@@ -21,7 +21,7 @@ import ray
 import torch
 import torch.nn.functional as F
 
-from raylora.config import JobConfig, from_dict, to_dict
+from raylora.config import EvalArgs, JobConfig, from_dict, to_dict
 from raylora.eval.candidates import Candidate
 from raylora.eval.rows import EvalRow
 from raylora.generation import BASE, Engine, GenRequest, run_all
@@ -52,8 +52,10 @@ class Answerer:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         e = self.cfg.eval
         adapters = [a or None for a in batch["adapter"]]
-        reqs = [GenRequest([int(i) for i in ids], adapter, e.max_tokens, e.temperature, e.top_p, tuple(e.stop), e.seed)
-                for ids, adapter in zip(batch["prompt_ids"], adapters, strict=True)]  # fmt: skip
+        reqs = [
+            eval_request([int(i) for i in ids], adapter, e)
+            for ids, adapter in zip(batch["prompt_ids"], adapters, strict=True)
+        ]
         events = run_all(self.engine, reqs)
         losses = [math.nan] * len(reqs)
         if "reference_loss" in e.metrics:
@@ -68,6 +70,11 @@ class Answerer:
             "error": np.array([ev.error or "" for ev in events], dtype=object),
             "reference_loss": np.array(losses, dtype=np.float64),
         }
+
+
+def eval_request(prompt_ids: list[int], adapter: str | None, e: EvalArgs) -> GenRequest:
+    """One eval answer's request: ``eval``'s sampling settings, length and stop strings."""
+    return GenRequest(prompt_ids, adapter, e.max_tokens, e.temperature, e.top_p, tuple(e.stop), e.seed)
 
 
 @torch.no_grad()

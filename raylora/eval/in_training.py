@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from raylora.config import ConfigError, JobConfig
+from raylora.eval.generate import eval_request
 from raylora.eval.metrics import means, score_row
 from raylora.eval.run import check_eval
-from raylora.generation import GenRequest, answer_all
+from raylora.generation import answer_all
 
 
 def training_rows(cfg: JobConfig) -> list[dict[str, Any]]:
@@ -42,8 +43,7 @@ def generation_scores(
     """``model``'s (a peft model: its ``default`` adapter answers) mean ``eval.metrics`` over ``rows``, as
     ``{"gen_<metric>": value}``; the model is in eval mode while it answers and back in its mode after."""
     e = cfg.eval
-    reqs = [GenRequest(r["prompt_ids"], "default", e.max_tokens, e.temperature, e.top_p, tuple(e.stop), e.seed)
-            for r in rows]  # fmt: skip
+    reqs = [eval_request(r["prompt_ids"], "default", e) for r in rows]
     training = model.training
     model.eval()
     try:
