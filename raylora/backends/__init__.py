@@ -61,7 +61,7 @@ def planned_backend(args: BackendArgs) -> Backend:
     if args.device == "auto":
         return resolve_backend(args)
     module = {m.NAME: m for m in PROBE_ORDER}[args.device]
-    env = npu.hccl_env(args) if module is npu else {}
+    env = npu.hccl_env(args) if module is npu else cpu.worker_env() if module is cpu else {}
     return Backend(module.NAME, "planned", module.DIST_BACKEND, module.RAY_RESOURCE, None, None, False, env)
 
 

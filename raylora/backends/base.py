@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
 import resource
@@ -23,6 +24,7 @@ class BackendError(RuntimeError):
 PROFILE_SCHEDULE = {"wait": 1, "warmup": 1, "active": 3, "repeat": 1}
 PROFILE_STEPS = PROFILE_SCHEDULE["wait"] + PROFILE_SCHEDULE["warmup"] + PROFILE_SCHEDULE["active"]
 
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None under another C library
 _PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -38,7 +40,8 @@ class Backend:
         visible_devices_env: variable through which Ray hands devices to a worker, if any.
         amp_dtype: autocast dtype, ``None`` for full fp32.
         needs_grad_scaler: fp16 autocast needs a gradient scaler (and Adam eps ≥ 1e-6).
-        env: environment variables every worker must have (HCCL settings on NPU).
+        env: environment variables every training worker must have (HCCL settings on NPU, bounds of oneDNN's
+            primitive caches on CPU).
         precision_by: how the autocast dtype was chosen (``auto`` states its evidence), printed and logged.
         no_bf16_collectives: why the collectives cannot reduce bf16 (an old NCCL, an Ascend SoC without bf16);
             empty where they can, or where the driver plans for a device it cannot see (the worker checks again).
@@ -224,11 +227,27 @@ class Backend:
             record_shapes=True,
         )
 
+    def release_freed_memory(self) -> None:
+        """After a training step on the CPU, hand the heap's free pages back to the system (:func:`trim_heap`): a
+        step's freed activations stay resident otherwise, in holes that the next step's differently sized ones do
+        not fill (140 MB of a DPO worker's 1.6 GB peak, at the same speed). An accelerator's host heap holds none."""
+        if self.name == "cpu":
+            trim_heap()
+
     def peak_memory_mb(self) -> float:
         """Peak device memory allocated by torch (accelerators) or peak resident set size (cpu), in MiB."""
         if self.name == "cpu":
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return getattr(torch, self.name).max_memory_allocated() / 2**20
+
+
+def trim_heap() -> bool:
+    """glibc's ``malloc_trim(0)``: free pages of the C heap go back to the system. Returns whether there was a
+    glibc heap to trim."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
 
 
 def precision_note(precision: str, auto: tuple[torch.dtype | None, bool], why: str) -> str:

@@ -330,6 +330,7 @@ class Group:
             loss = totals[m.name].item() / max(count[i, 0].item(), 1.0)
             grad_norm = take_step(m.params, m.optimizer, m.scheduler, m.scaler, m.cfg.train.max_grad_norm, loss)
             results[m.name] = (loss, int(count[i, 1].item()), grad_norm, positions[m.name])
+        self.backend.release_freed_memory()
         return results
 
     def _backward(

@@ -159,6 +159,7 @@ def train_worker(config: dict) -> dict:
             world,
         )
         state.epoch, state.rows_in_epoch = position
+        backend.release_freed_memory()
         overlap.update(finish_trace(trace))
         comm_bytes, comm_steps = comm_bytes + bytes_sent(), comm_steps + 1
         if profiler is not None:

@@ -1,3 +1,4 @@
+import ctypes
 import datetime
 import math
 import subprocess
@@ -30,7 +31,9 @@ def fake_npu(monkeypatch):
     return set_soc
 
 
-def test_cpu_is_chosen_when_nothing_else_is_present():
+def test_cpu_is_chosen_when_nothing_else_is_present(monkeypatch):
+    for name in cpu.PRIMITIVE_CACHES:
+        monkeypatch.delenv(name, raising=False)
     b = resolve_backend(BackendArgs())
     fast, _ = cpu.bf16_is_fast()
     assert (b.name, b.dist_backend, b.ray_resource, b.amp_dtype, b.needs_grad_scaler) == (
@@ -43,8 +46,44 @@ def test_cpu_is_chosen_when_nothing_else_is_present():
     assert b.detected_by.startswith("auto:") and "torch_npu is not installed" in b.detected_by
     assert b.torch_device() == torch.device("cpu")
     assert b.scaling(2) == {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1.0}}
-    assert b.env == {} and b.visible_devices_env is None
+    assert b.env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
+    assert b.visible_devices_env is None
     assert b.peak_memory_mb() > 10
+
+
+def test_cpu_workers_bound_onednn_primitive_caches_unless_the_environment_does(monkeypatch):
+    """bench/preference.py: oneDNN's and ideep's caches of 1,024 primitives each grew a DPO worker 30 MB a step."""
+    from raylora.backends import planned_backend, worker_plan
+
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    wanted = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "64"}
+    assert planned_backend(BackendArgs(device="cpu")).env == wanted
+    assert worker_plan(BackendArgs(device="cpu"), 2, 1.0)[2] == wanted
+    assert resolve_backend(BackendArgs(device="cpu")).env == wanted
+
+
+def _resident_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.skipif(getattr(ctypes.CDLL(None), "malloc_trim", None) is None, reason="glibc's heap only")
+def test_a_cpu_step_hands_freed_heap_pages_back():
+    """Freed blocks inside the heap (below a block still in use) stay resident until trimmed."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size, count = 64 * 1024, 3200  # 200 MB in blocks glibc serves from its heap (below its mmap threshold)
+    blocks = [libc.malloc(size) for _ in range(count)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)
+    for b in blocks[:-1]:
+        libc.free(b)
+    before = _resident_mb()
+    resolve_backend(BackendArgs(device="cpu")).release_freed_memory()
+    after = _resident_mb()
+    libc.free(blocks[-1])
+    assert before - after > 150, (before, after)
 
 
 def test_cpu_precision_can_be_chosen():
