@@ -257,6 +257,12 @@ class TuneArgs:
         "each trial its own adapter, optimizer and data position); 1: each trial is its own Ray Train run",
         min=1,
     )
+    generate_at_rungs: bool = _f(
+        False,
+        help="with a generation metric: each trial answers train.generate_eval_rows of the eval set at every multiple "
+        "of ASHA's first rung (train.generate_eval_every is set to it), and ASHA compares trials on that score "
+        "(gen_<metric>) instead of eval_loss; the best completed trial is still chosen on the whole eval set",
+    )
     register_as: str | None = _f(
         None, help="MLflow registered model name of the best adapter (None: the name of train.output_dir's folder)"
     )
@@ -268,12 +274,15 @@ class TuneArgs:
 
     @property
     def rung_metric(self) -> str:
-        """What trials report to Tune and ASHA compares at its rungs: ``metric``, or eval_loss for a generation one."""
-        return "eval_loss" if self.answers else self.metric
+        """What trials report to Tune and ASHA compares at its rungs: ``metric``; for a generation one, eval_loss, or
+        its score on a few eval rows (``gen_<metric>``) with ``generate_at_rungs``."""
+        if not self.answers:
+            return self.metric
+        return f"gen_{self.metric}" if self.generate_at_rungs else "eval_loss"
 
     @property
     def rung_mode(self) -> str:
-        return "min" if self.answers else self.mode
+        return "min" if self.answers and not self.generate_at_rungs else self.mode
 
 
 @dataclass

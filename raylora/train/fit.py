@@ -64,7 +64,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     data = training_data(cfg, log)
     check_enough(cfg, data.packs)
     run_id = job_run(cfg, out, newest_checkpoint(out) is not None)
-    trainer = build_trainer(cfg, out, datasets(data), run_id, run_settings(cfg, out))
+    trainer = build_trainer(cfg, out, datasets(data), run_id, run_settings(cfg, out), 0, generation_rows(cfg))
     stopped = functools.partial(finish_run, cfg.tracking, run_id, [], "KILLED")
     try:
         with sigterm_stops(stopped):
@@ -127,17 +127,18 @@ def _finished(cfg: JobConfig, out: Path, log) -> dict[str, Any] | None:
             "history": history}  # fmt: skip
 
 
-def _check_generation_rows(cfg: JobConfig) -> None:
-    """With ``train.generate_eval_every``, the eval set it answers: readable, with rows, known metrics.
+def generation_rows(cfg: JobConfig) -> list[dict[str, Any]]:
+    """With ``train.generate_eval_every``, the eval rows it answers (none without it).
 
     Raises:
-        ConfigError: every problem with the eval set.
+        ConfigError: every problem with the eval set: unreadable, no rows, unknown metrics.
     """
-    if cfg.train.generate_eval_every:
-        # here, not at the top: the eval set's reader and metrics (nltk, jieba) take 2 s to import, for such runs only
-        from raylora.eval.in_training import training_rows
+    if not cfg.train.generate_eval_every:
+        return []
+    # here, not at the top: the eval set's reader and metrics (nltk, jieba) take 2 s to import, for such runs only
+    from raylora.eval.in_training import training_rows
 
-        training_rows(cfg)
+    return training_rows(cfg)
 
 
 def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:
@@ -188,7 +189,7 @@ def check_before_data(cfg: JobConfig) -> JobConfig:
         # a checkpoint of another model or LoRA shape: here, not in every restart of the workers
         "train.output_dir": lambda: resume is not None and check_compatible(resume, cfg),
         # the eval set a generation eval during training answers: readable, with rows, known metrics
-        "train.generate_eval_every": lambda: _check_generation_rows(cfg),
+        "train.generate_eval_every": lambda: generation_rows(cfg),
     }
     _all_at_once(checks)
     if cfg.tracking.enabled:  # a server down is a failed run (exit 1), not bad input: on its own

@@ -28,6 +28,7 @@ def build_trainer(
     run_id: str | None,
     run_config: dict[str, Any],
     report_every: int = 0,
+    generate_rows: list[dict[str, Any]] = (),
 ):
     """The TorchTrainer of one training run writing to ``out``, logging to MLflow run ``run_id``.
 
@@ -38,6 +39,8 @@ def build_trainer(
         report_every: steps between reports to Ray Train besides evaluations, checkpoints and the last step (0:
             none; a sweep whose metric is the training loss needs them). Ray 2.60's controller takes one report
             every 2 s, and a worker's next report waits for it: reporting every step held a fast step to 2 s.
+        generate_rows: the eval rows the generation evals answer (:func:`raylora.eval.in_training.training_rows`),
+            read by the driver: a sweep's trial runs in a folder of its own, where relative data paths lead nowhere.
     """
     # these two import torch: 1.3 s and 0.18 GB more in a grouped trial's process, which imports this module for
     # TrainingError alone
@@ -47,12 +50,6 @@ def build_trainer(
 
     dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     packs = {name: d for name, d in datasets.items() if isinstance(d, Packs)}
-    rows = []
-    if cfg.train.generate_eval_every:
-        # the eval set's reader and metrics (nltk, jieba, Ray Data's generation path): 2 s more, for such runs only
-        from raylora.eval.in_training import training_rows
-
-        rows = training_rows(cfg)
     return TorchTrainer(
         _train_worker,
         train_loop_config={
@@ -62,7 +59,7 @@ def build_trainer(
             "packs": packs,
             "datasets": sorted(datasets),
             "report_every": report_every,
-            "generate_rows": rows,
+            "generate_rows": list(generate_rows),
         },
         torch_config=TorchConfig(backend=dist_backend, timeout_s=store_timeout_s(env)),
         scaling_config=ScalingConfig(**scaling),

@@ -49,7 +49,7 @@ from raylora.registry import register
 from raylora.runs import flatten, parent_run
 from raylora.tracking import check_reachable, finish_run, tracking_uri
 from raylora.train import group_worker
-from raylora.train.fit import TrainingError, check_enough, datasets, save_outputs
+from raylora.train.fit import TrainingError, check_enough, datasets, generation_rows, save_outputs
 from raylora.tune import groups, space
 from raylora.tune.trial import run_trial
 
@@ -73,6 +73,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     if cfg.train.cpus_per_worker is None:  # trials run side by side: one CPU each, as before the default was unset
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cpus_per_worker=1.0))
     check_sweep(cfg)
+    cfg = _generating_at_rungs(cfg)
     out = Path(cfg.train.output_dir).resolve()
     state = out / "tune"
     if resume and not state.exists():
@@ -123,7 +124,9 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
                 "raise train.cpus_per_worker or train.num_workers to give each group more)"
             )
     else:
-        trainable = tune.with_parameters(run_trial, job=to_dict(cfg), datasets=datasets(data), parent=parent)
+        trainable = tune.with_parameters(
+            run_trial, job=to_dict(cfg), datasets=datasets(data), parent=parent, generate_rows=generation_rows(cfg)
+        )
         layout = ""
     # The trial's own process only drives its Ray Train run (or its group's member), so it asks for no CPU: with
     # even 0.01 CPU, two one-CPU trials would not fit two cores. Tune refuses an empty request, hence memory.
@@ -423,6 +426,16 @@ def _release_placement_groups(trial_dir: Path) -> None:
     for pg_id in ids - {None}:
         if table.get(pg_id, {}).get("state") not in (None, "REMOVED"):
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def _generating_at_rungs(cfg: JobConfig) -> JobConfig:
+    """With ``tune.generate_at_rungs``, the job every trial runs: generating at each multiple of ASHA's first rung
+    (``train.generate_eval_every``), scoring ``tune.metric`` among ``eval.metrics``."""
+    if not cfg.tune.generate_at_rungs:
+        return cfg
+    train = dataclasses.replace(cfg.train, generate_eval_every=cfg.tune.grace_steps or cfg.train.eval_every)
+    metrics = [*cfg.eval.metrics, *([] if cfg.tune.metric in cfg.eval.metrics else [cfg.tune.metric])]
+    return dataclasses.replace(cfg, train=train, eval=dataclasses.replace(cfg.eval, metrics=metrics))
 
 
 def _scheduler(cfg: JobConfig):

@@ -19,8 +19,11 @@ from raylora.train.trainer import TrainingError, build_trainer, check_outcome, r
 from raylora.tune.space import trial_config
 
 
-def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | None) -> None:
-    """One trial (a Ray Tune function trainable): a Ray Train run of the job with the trial's ``values``.
+def run_trial(
+    values: dict[str, Any], job: dict, datasets: dict, parent: str | None, generate_rows: list[dict[str, Any]]
+) -> None:
+    """One trial (a Ray Tune function trainable): a Ray Train run of the job with the trial's ``values``; with
+    generation evals, ``generate_rows`` are the eval rows they answer (read by the sweep's driver).
 
     It logs to an MLflow child run of ``parent`` and passes every report holding the sweep's metric to
     Tune. Tune ends the trial's process as soon as ASHA stops it or its last step is reported, so
@@ -39,9 +42,12 @@ def run_trial(values: dict[str, Any], job: dict, datasets: dict, parent: str | N
     run_id = child_run(cfg, out, parent, trial_id, values, newest_checkpoint(out) is not None)  # Train resumes there
     settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.rung_metric)]}
     try:
-        # ASHA reads the metric at every report that holds it: evaluations carry eval_*, logged steps the loss
-        every = 0 if cfg.tune.rung_metric.startswith("eval_") else cfg.train.log_every
-        check_outcome(build_trainer(cfg, out, datasets, run_id, settings, every).fit(), cfg)
+        # ASHA reads the metric at every report that holds it: evaluations carry eval_*, generation evals gen_*, logged
+        # steps the loss
+        metric = cfg.tune.rung_metric
+        every = cfg.train.generate_eval_every if metric.startswith("gen_") else 0 if metric.startswith("eval_") else (
+            cfg.train.log_every)  # fmt: skip
+        check_outcome(build_trainer(cfg, out, datasets, run_id, settings, every, generate_rows).fit(), cfg)
     except Exception as e:
         raise TrainingError(f"trial {trial_id} ({values}): {e}") from None
     drop_unregistered(out)

@@ -166,3 +166,19 @@ def test_a_generation_metric_reports_eval_loss_to_asha_and_needs_its_direction()
     )
     plain = load_config(TINY).tune
     assert (plain.answers, plain.rung_metric, plain.rung_mode) == (False, "eval_loss", "min")
+
+
+def test_generating_at_rungs_makes_asha_compare_answers_and_is_refused_where_it_cannot():
+    """Issue #37: ``tune.generate_at_rungs`` has ASHA compare trials on a few answers scored during training."""
+    cfg = load_config(TINY, ["tune.metric=exact_match", "tune.mode=max", "tune.generate_at_rungs=true"])
+    assert (cfg.tune.rung_metric, cfg.tune.rung_mode) == ("gen_exact_match", "max")
+    space.check(cfg)
+    assert "tune.metric=eval_loss is not such a score" in problems("tune.generate_at_rungs=true")["tune.generate_at_rungs"]
+    judged = problems("tune.metric=reference_loss", "tune.mode=min", "tune.generate_at_rungs=true")
+    assert "not such a score" in judged["tune.generate_at_rungs"]
+    answers = ["tune.metric=contains", "tune.mode=max", "tune.generate_at_rungs=true"]
+    assert "no rungs" in problems(*answers, "tune.scheduler=none")["tune.generate_at_rungs"]
+    assert "sets it to ASHA's first rung (2)" in problems(*answers, "train.generate_eval_every=3")[
+        "train.generate_eval_every"
+    ]
+    assert "could never stop a trial early" in problems(*answers, "tune.grace_steps=8")["tune.grace_steps"]
