@@ -241,13 +241,10 @@ class Backend:
         return getattr(torch, self.name).max_memory_allocated() / 2**20
 
 
-def trim_heap() -> bool:
-    """glibc's ``malloc_trim(0)``: free pages of the C heap go back to the system. Returns whether there was a
-    glibc heap to trim."""
-    if _MALLOC_TRIM is None:
-        return False
-    _MALLOC_TRIM(0)
-    return True
+def trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: free pages of the C heap go back to the system (nothing under another C library)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def precision_note(precision: str, auto: tuple[torch.dtype | None, bool], why: str) -> str:

@@ -56,7 +56,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     if done is not None:
         return done
     unset = cfg.train.cpus_per_worker is None
-    cfg = check_before_data(cfg)
+    cfg, rows = check_before_data(cfg)
     log(worker_cpus_line(cfg, unset))
     if cfg.train.compile and (warning := planned_backend(cfg.backend).compile_warning()):
         log(f"warning: {warning}")
@@ -64,7 +64,7 @@ def fit(cfg: JobConfig, log=print) -> dict[str, Any]:
     data = training_data(cfg, log)
     check_enough(cfg, data.packs)
     run_id = job_run(cfg, out, newest_checkpoint(out) is not None)
-    trainer = build_trainer(cfg, out, datasets(data), run_id, run_settings(cfg, out), 0, generation_rows(cfg))
+    trainer = build_trainer(cfg, out, datasets(data), run_id, run_settings(cfg, out), 0, rows)
     stopped = functools.partial(finish_run, cfg.tracking, run_id, [], "KILLED")
     try:
         with sigterm_stops(stopped):
@@ -141,18 +141,19 @@ def generation_rows(cfg: JobConfig) -> list[dict[str, Any]]:
     return training_rows(cfg)
 
 
-def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:
+def _all_at_once(checks: dict[str, Callable[[], object]]) -> dict[str, object]:
     """Run every check; one problem raises as it is, several as one :class:`ConfigError` listing each (a job with a
-    mistyped data path, model and layer took three runs to learn of all three).
+    mistyped data path, model and layer took three runs to learn of all three). Returns each check's result.
 
     Raises:
         BackendError, DataError, ModelError, CheckpointError: the one problem found.
         ConfigError: several problems, each under the setting it concerns.
     """
     found: list[tuple[str, Exception]] = []
+    results = {}
     for key, check in checks.items():
         try:
-            check()
+            results[key] = check()
         except ConfigError as e:  # several problems of one kind (the eval set's)
             found += [(key, ConfigError([problem], "the job")) for problem in e.problems]
         except (BackendError, DataError, ModelError, CheckpointError) as e:
@@ -162,14 +163,16 @@ def _all_at_once(checks: dict[str, Callable[[], object]]) -> None:
     if found:
         raise ConfigError([(e.problems[0] if isinstance(e, ConfigError) else (key, str(e))) for key, e in found],
                           "the job")  # fmt: skip
+    return results
 
 
-def check_before_data(cfg: JobConfig) -> JobConfig:
+def check_before_data(cfg: JobConfig) -> tuple[JobConfig, list[dict[str, Any]]]:
     """The checks that take seconds, run before data preparation (which can take minutes) so they fail first.
 
     Starts or joins Ray, after the checks that need no cluster.
     Returns:
-        ``cfg``, with ``train.cpus_per_worker`` set to the workers' share of the free CPUs when it was unset.
+        ``cfg``, with ``train.cpus_per_worker`` set to the workers' share of the free CPUs when it was unset, and the
+        eval rows its generation evals answer (:func:`generation_rows`, read once here).
     Raises:
         BackendError: the device asked for is missing, or its collectives cannot carry ``train.comm_hook``.
         ModelError: the base model is missing, or ``lora.target_modules`` names a layer it lacks (before Ray starts).
@@ -191,7 +194,7 @@ def check_before_data(cfg: JobConfig) -> JobConfig:
         # the eval set a generation eval during training answers: readable, with rows, known metrics
         "train.generate_eval_every": lambda: generation_rows(cfg),
     }
-    _all_at_once(checks)
+    rows = _all_at_once(checks)["train.generate_eval_every"]
     if cfg.tracking.enabled:  # a server down is a failed run (exit 1), not bad input: on its own
         check_reachable(tracking_uri(cfg.tracking))
     ensure_ray()
@@ -223,7 +226,7 @@ def check_before_data(cfg: JobConfig) -> JobConfig:
             "Ray Data to run the streamed pipeline, so training would wait forever. Lower train.cpus_per_worker or "
             "train.num_workers, or prepare the data first (data.streaming=false)."
         )
-    return cfg
+    return cfg, rows
 
 
 def worker_cpus_line(cfg: JobConfig, unset: bool) -> str:

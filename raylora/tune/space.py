@@ -182,20 +182,21 @@ def as_numbers(key: str, values: list[Any]) -> list[Any]:
 
 def _check_generate_at_rungs(cfg: JobConfig) -> list[tuple[str, str]]:
     """``tune.generate_at_rungs`` needs a generation metric that a few rows score during training, ASHA's rungs, and
-    ``train.generate_eval_every`` left to it."""
-    tune, key = cfg.tune, "tune.generate_at_rungs"
+    ``train.generate_eval_every`` left to it: every problem of these."""
+    tune, key, problems = cfg.tune, "tune.generate_at_rungs", []
     if not tune.answers or tune.metric in ("reference_loss", "judge"):
-        return [(key, f"ASHA would compare trials on answers scored during training, and tune.metric={tune.metric} is "
-                      "not such a score; choose a generation metric (exact_match, contains, rouge-l, bleu-4, ...) or "
-                      "set it to false")]  # fmt: skip
+        problems.append((key, f"ASHA would compare trials on answers scored during training, and tune.metric="
+                              f"{tune.metric} is not such a score; choose a generation metric (exact_match, contains, "
+                              "rouge-l, bleu-4, ...) or set it to false"))  # fmt: skip
     if tune.scheduler != "asha":
-        return [(key, "has no rungs to generate at with tune.scheduler=none; set it to false (the best trial is still "
-                      "chosen on its answers when it completes)")]  # fmt: skip
+        problems.append((key, "has no rungs to generate at with tune.scheduler=none; set it to false (the best trial "
+                              "is still chosen on its answers when it completes)"))  # fmt: skip
     grace = tune.grace_steps or cfg.train.eval_every
     if cfg.train.generate_eval_every not in (0, grace):
-        return [("train.generate_eval_every", f"is {cfg.train.generate_eval_every}; with tune.generate_at_rungs the "
-                                              f"sweep sets it to ASHA's first rung ({grace}): leave it unset (0)")]  # fmt: skip
-    return []
+        problems.append(("train.generate_eval_every", f"is {cfg.train.generate_eval_every}; with "
+                         f"tune.generate_at_rungs the sweep sets it to ASHA's first rung ({grace}): leave it unset "
+                         "(0)"))  # fmt: skip
+    return problems
 
 
 def _check_first_rung(cfg: JobConfig, grace: int) -> list[tuple[str, str]]:
@@ -207,8 +208,8 @@ def _check_first_rung(cfg: JobConfig, grace: int) -> list[tuple[str, str]]:
     last, metric = cfg.train.max_steps, cfg.tune.rung_metric
     if metric.startswith("gen_"):  # trials generate at every multiple of the first rung
         key = "tune.grace_steps" if cfg.tune.grace_steps else "train.eval_every"
-        return [] if grace < last else [(key, f"is {grace}, train.max_steps: ASHA's first rung, where trials first "
-                                              "generate, comes at the last step, so ASHA could never stop a trial early; "
+        return [] if grace < last else [(key, f"is {grace} and train.max_steps={last}: ASHA's first rung, where "
+                                              "trials first generate, comes at the last step, so ASHA could never stop a trial early; "
                                               "lower it, or use tune.scheduler=none")]  # fmt: skip
     keys = ["train.eval_every"]
     if not metric.startswith("eval_"):

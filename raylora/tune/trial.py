@@ -12,6 +12,7 @@ from typing import Any
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
+from raylora.config import JobConfig
 from raylora.runs import child_run
 from raylora.train.checkpoint import drop_unregistered
 from raylora.train.checkpoint import newest as newest_checkpoint
@@ -42,15 +43,20 @@ def run_trial(
     run_id = child_run(cfg, out, parent, trial_id, values, newest_checkpoint(out) is not None)  # Train resumes there
     settings = {**run_settings(cfg, out), "callbacks": [_metric_reports(cfg.tune.rung_metric)]}
     try:
-        # ASHA reads the metric at every report that holds it: evaluations carry eval_*, generation evals gen_*, logged
-        # steps the loss
-        metric = cfg.tune.rung_metric
-        every = cfg.train.generate_eval_every if metric.startswith("gen_") else 0 if metric.startswith("eval_") else (
-            cfg.train.log_every)  # fmt: skip
-        check_outcome(build_trainer(cfg, out, datasets, run_id, settings, every, generate_rows).fit(), cfg)
+        trainer = build_trainer(cfg, out, datasets, run_id, settings, _report_every(cfg), generate_rows)
+        check_outcome(trainer.fit(), cfg)
     except Exception as e:
         raise TrainingError(f"trial {trial_id} ({values}): {e}") from None
     drop_unregistered(out)
+
+
+def _report_every(cfg: JobConfig) -> int:
+    """Steps between a trial's reports besides evaluations and checkpoints: ASHA reads the metric at every report
+    that holds it; evaluations carry ``eval_*``, generation evals ``gen_*``, logged steps the loss."""
+    metric = cfg.tune.rung_metric
+    if metric.startswith("gen_"):
+        return cfg.train.generate_eval_every
+    return 0 if metric.startswith("eval_") else cfg.train.log_every
 
 
 def _metric_reports(metric: str):

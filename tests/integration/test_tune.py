@@ -160,12 +160,16 @@ def test_asha_compares_trials_on_answers_generated_at_its_rungs(ray_session, tmp
     # what Tune (and ASHA) saw: the generated scores at the rungs, steps 2 and 4 (the last)
     reported = [json.loads(line) for line in next((tmp_path / "sweep" / "tune").glob(f"*{row['trial']}*"))
                 .joinpath("result.json").read_text().splitlines()]  # fmt: skip
-    assert [(r["step"], "gen_exact_match" in r, "gen_rouge-l" in r) for r in reported] == [(2, True, True), (4, True, True)]
+    assert [(r["step"], "gen_exact_match" in r, "gen_rouge-l" in r) for r in reported] == [
+        (2, True, True),
+        (4, True, True),
+    ]
     assert all(0.0 <= r["gen_exact_match"] <= 1.0 for r in reported)
     history = json.loads((Path(row["dir"]) / "history.json").read_text())
     assert [h["step"] for h in history if "gen_exact_match" in h] == [2, 4]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (child,) = client.search_runs(
-        [client.get_experiment_by_name("sweeps").experiment_id], f"tags.mlflow.parentRunId = '{result['parent_run_id']}'"
+        [client.get_experiment_by_name("sweeps").experiment_id],
+        f"tags.mlflow.parentRunId = '{result['parent_run_id']}'",
     )
     assert [m.step for m in client.get_metric_history(child.info.run_id, "gen_exact_match")] == [2, 4]

@@ -173,12 +173,21 @@ def test_generating_at_rungs_makes_asha_compare_answers_and_is_refused_where_it_
     cfg = load_config(TINY, ["tune.metric=exact_match", "tune.mode=max", "tune.generate_at_rungs=true"])
     assert (cfg.tune.rung_metric, cfg.tune.rung_mode) == ("gen_exact_match", "max")
     space.check(cfg)
-    assert "tune.metric=eval_loss is not such a score" in problems("tune.generate_at_rungs=true")["tune.generate_at_rungs"]
+    assert (
+        "tune.metric=eval_loss is not such a score" in problems("tune.generate_at_rungs=true")["tune.generate_at_rungs"]
+    )
     judged = problems("tune.metric=reference_loss", "tune.mode=min", "tune.generate_at_rungs=true")
     assert "not such a score" in judged["tune.generate_at_rungs"]
     answers = ["tune.metric=contains", "tune.mode=max", "tune.generate_at_rungs=true"]
     assert "no rungs" in problems(*answers, "tune.scheduler=none")["tune.generate_at_rungs"]
-    assert "sets it to ASHA's first rung (2)" in problems(*answers, "train.generate_eval_every=3")[
-        "train.generate_eval_every"
-    ]
+    assert (
+        "sets it to ASHA's first rung (2)"
+        in problems(*answers, "train.generate_eval_every=3")["train.generate_eval_every"]
+    )
     assert "could never stop a trial early" in problems(*answers, "tune.grace_steps=8")["tune.grace_steps"]
+    with pytest.raises(ConfigError) as err:  # every problem at once
+        space.check(load_config(TINY, ["tune.generate_at_rungs=true", "tune.scheduler=none",
+                                       "train.generate_eval_every=3"]))  # fmt: skip
+    said = [f"{key}: {why}" for key, why in err.value.problems]
+    assert ["not such a score" in s for s in said] == [True, False, False]
+    assert "no rungs" in said[1] and said[2].startswith("train.generate_eval_every: is 3")
