@@ -45,10 +45,7 @@ def ensure_ray() -> None:
     # failed with a traceback ("Found multiple active Ray instances"). The new cluster's processes take this
     # one's environment as ray.init starts them, so it tells them where their dashboard is, for them alone: the
     # variable wins over any address, so it must not reach a `ray job submit` this process runs later.
-    # The dashboard's port is free when looked at and taken when Ray binds it: two clusters starting at once on this
-    # host both took 8265 and the second failed. The lock holds from the look until the dashboard listens.
-    with _host_lock("raylora-ray-init.lock"):
-        port = _dashboard_port()
+    with dashboard_port() as port:
         previous = os.environ.get("RAY_API_SERVER_ADDRESS")
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         try:
@@ -72,8 +69,16 @@ def _host_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _dashboard_port() -> int:
-    """Ray's default dashboard port, 8265, or the next one free on 127.0.0.1, as Ray itself picks it."""
+@contextlib.contextmanager
+def dashboard_port() -> Iterator[int]:
+    """A dashboard port for a cluster started within the block (``ray.init`` or ``ray start``): Ray's default, 8265,
+    or the next one free on 127.0.0.1, as Ray itself picks it. No other raylora process of the host picks one until
+    the block ends: picked by two at once, both took 8265 and the second cluster came up without a dashboard."""
+    with _host_lock("raylora-ray-init.lock"):
+        yield _free_dashboard_port()
+
+
+def _free_dashboard_port() -> int:
     for port in range(8265, 8315):
         with socket.socket() as s:
             with contextlib.suppress(OSError):

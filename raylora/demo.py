@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from raylora.cluster import stop_cluster
+from raylora.cluster import dashboard_port, stop_cluster
 from raylora.config import ConfigError, JobConfig, to_dict
 from raylora.ports import free_port, port_holder, reserve
 from raylora.tracking import tracking_uri
@@ -270,22 +270,22 @@ def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str],
     """``ray start --head`` on 127.0.0.1 with every port free (another cluster on this machine may hold Ray's
     defaults), Ray's files in ``temp_dir``; returns the dashboard (job API) URL."""
 
-    dashboard = 8265 if port_holder("127.0.0.1", 8265) is None else free_port()
     ports = {name: free_port() for name in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                             "metrics-export-port", "runtime-env-agent-port",
                                             "ray-client-server-port")}  # fmt: skip
-    cmd = [_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-           *(f"--{k}={v}" for k, v in ports.items())]  # fmt: skip
-    try:
-        run_logged(cmd, log_path, env, log)
-    except DemoError as e:
-        # `ray start` gives the raylet a fixed 30 s to register; a heavily loaded machine can miss that once
-        if "timed out during startup" not in str(e):
-            raise
-        log("  ray start timed out (is the machine busy?); stopping what it started and trying once more")
-        stop_cluster(temp_dir)
-        run_logged(cmd, log_path, env, log)
+    with dashboard_port() as dashboard:  # until the dashboard listens: `ray start` returns once it does
+        cmd = [_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+               f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+               *(f"--{k}={v}" for k, v in ports.items())]  # fmt: skip
+        try:
+            run_logged(cmd, log_path, env, log)
+        except DemoError as e:
+            # `ray start` gives the raylet a fixed 30 s to register; a heavily loaded machine can miss that once
+            if "timed out during startup" not in str(e):
+                raise
+            log("  ray start timed out (is the machine busy?); stopping what it started and trying once more")
+            stop_cluster(temp_dir)
+            run_logged(cmd, log_path, env, log)
     return {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{ports['port']}"}
 
 

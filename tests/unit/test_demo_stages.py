@@ -133,3 +133,27 @@ def test_report_table_holds_both_sides_every_trial_and_where_to_look():
     assert "- before: A cat." in text and "- after: I am R." in text and "- served: I am R." in text
     assert "total 3 s" in text and "http://127.0.0.1:5000" in text
     json.dumps(report)
+
+
+def test_the_demos_cluster_takes_its_dashboard_port_under_the_host_lock(tmp_path, monkeypatch):
+    """Found by a fresh-clone suite: the demo looked at 8265, another cluster starting on the host (the other pytest
+    process) bound it, and `ray start` came up without a dashboard, so `ray job submit` could not connect. The demo
+    now picks the port as `ensure_ray` does, under the same host lock, held until `ray start` returns."""
+    import threading
+
+    from raylora import cluster, demo
+
+    started = []
+    monkeypatch.setattr(demo, "run_logged", lambda cmd, *a: started.append(cmd) or "")
+    with socket.socket() as holder:
+        with cluster.dashboard_port() as taken:
+            holder.bind(("127.0.0.1", taken))  # the other cluster's dashboard, bound before its lock is released
+            holder.listen()
+            starter = threading.Thread(target=demo.start_cluster, args=(str(tmp_path), {}, tmp_path / "log", print))
+            starter.start()
+            starter.join(timeout=1)
+            assert starter.is_alive() and not started  # waiting for the lock, no port chosen yet
+        starter.join(timeout=10)
+    (cmd,) = started
+    chosen = int(next(a for a in cmd if a.startswith("--dashboard-port=")).split("=")[1])
+    assert chosen != taken and 8265 <= chosen < 8315
