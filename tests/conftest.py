@@ -2,6 +2,7 @@ import os
 from pathlib import Path
 
 import pytest
+import ray
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -13,9 +14,28 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Polling every 0.5 s took the suite from 21 to 15 minutes. A slow poll is still no failure (Ray Train fails a worker
 # only after 10 minutes of missed polls).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# Each Ray Train run starts a preemption watcher actor (a process of its own, 1.2 s of CPU) for spot nodes that can be
+# reclaimed; a local test cluster has none, and the suite is CPU-bound.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def _ray_for_this_process():
+    """Ray started by this test process is stopped when its last test has run."""
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_unless_asked(request):
+    """Before a module (of any folder) none of whose tests asks for ``ray_session``, the Ray of earlier modules stops:
+    those tests start or join clusters of their own, or none, and expect this process to be connected to none."""
+    here = request.node.path
+    if not any(item.path == here and "ray_session" in item.fixturenames for item in request.session.items):
+        ray.shutdown()
 
 
 @pytest.fixture

@@ -8,11 +8,15 @@ from raylora.cluster import ensure_ray, stop_cluster
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray on 127.0.0.1 per test module (starting Ray costs seconds)."""
+def ray_session(_ray_for_this_process):
+    """A local Ray on 127.0.0.1, shared by the test modules this process runs in turn: starting one costs about 10 s
+    of CPU (its dashboard alone is ten processes), and the suite is CPU-bound. A module that ends this process's Ray
+    (a test that builds a cluster of its own) leaves the next one to start another, and so does one that left
+    something holding CPUs (a test that failed midway): each module starts with every CPU free."""
+    if ray.is_initialized() and ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        ray.shutdown()
     ensure_ray()
     yield
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -75,33 +75,6 @@ def test_mlflow_has_one_parent_and_a_child_per_trial_and_the_best_is_registered(
     assert version.tags["raylora.kind"] == "lora-adapter" and version.run_id == parent.info.run_id
 
 
-def test_a_trial_that_diverges_fails_and_is_never_the_best(ray_session, tmp_path):
-    """The NaN guard's divergence is an errored trial in Tune and a FAILED child run.
-
-    Under fp16 with alpha 4096 on peft's own path (the fused LoRA and chunked loss keep these gradients finite),
-    the grad scaler overflows for the first steps: a trial that tolerates one non-finite step diverges, one that
-    tolerates 30 lets the scaler back off and trains.
-    """
-    cfg = load_config(
-        ROOT / "configs/tiny_sweep_cpu.yaml",
-        overrides(tmp_path, "tune.space={train.nan_tolerance: {grid: [1, 30]}}", "tune.search=grid",
-                  "tune.num_samples=1", "tune.scheduler=none", "lora.alpha=4096", "train.lr=1.0e-5",
-                  "backend.precision=fp16", "train.max_steps=4", "train.fused_lora=false", "train.chunked_loss=false"),
-    )  # fmt: skip
-    result = sweep(cfg, log=lambda s: None)
-    statuses = {r["train.nan_tolerance"]: r["status"] for r in result["trials"]}
-    assert statuses == {1: "failed", 30: "completed"} and result["best"]["config"]["train.nan_tolerance"] == 30
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    experiment = client.get_experiment_by_name("sweeps").experiment_id
-    runs = client.search_runs([experiment], "tags.raylora.trial_status = 'failed'")
-    assert len(runs) == 1 and runs[0].info.status == "FAILED"
-    # found by use: the reason was in the console only, though the sweep's message sends users to the child run
-    assert "training diverged" in runs[0].data.tags["raylora.trial_error"]
-    assert [a.path for a in client.list_artifacts(runs[0].info.run_id)] == ["error.txt"]
-    failed = next(Path(r["dir"]) for r in result["trials"] if r["status"] == "failed")
-    assert "nan_tolerance=1" in (failed / "error.txt").read_text()
-
-
 def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
     """Found by use: a stopped sweep (SIGINT) marked its running trials 'stopped early' (ASHA's label) and closed
     their MLflow runs; with SIGTERM, as schedulers stop jobs, it left every run RUNNING and wrote no results.
@@ -144,19 +117,38 @@ def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finis
     assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_asha_compares_trials_on_answers_generated_at_its_rungs(ray_session, tmp_path):
-    """Issue #37: with ``tune.generate_at_rungs`` each trial answers a few eval rows at every multiple of ASHA's first
-    rung and reports ``gen_<metric>`` to Tune (ASHA's metric); the best is still chosen on the whole eval set. One
-    trial: what ASHA does with the reports is Ray's (a trial costs the suite 20-30 s)."""
+def test_a_diverging_trial_fails_and_asha_compares_the_other_on_answers_generated_at_its_rungs(ray_session, tmp_path):
+    """The NaN guard's divergence is an errored trial in Tune and a FAILED child run; with ``tune.generate_at_rungs``
+    (issue #37) the trial that trains answers a few eval rows at every multiple of ASHA's first rung and reports
+    ``gen_<metric>`` to Tune (ASHA's metric); the best is still chosen on the whole eval set.
+
+    Under fp16 with alpha 4096 on peft's own path (the fused LoRA and chunked loss keep these gradients finite),
+    the grad scaler overflows for the first steps: a trial that tolerates one non-finite step diverges, one that
+    tolerates 30 lets the scaler back off and trains. What ASHA does with the reports is Ray's.
+    """
     cfg = load_config(
         ROOT / "configs/tiny_sweep_cpu.yaml",
-        overrides(tmp_path, "tune.space={train.lr: {grid: [0.03]}}", "tune.search=grid", "tune.num_samples=1",
-                  "tune.metric=exact_match", "tune.mode=max", "tune.generate_at_rungs=true", "train.max_steps=4",
-                  "train.generate_eval_rows=2", "eval.max_tokens=8", "eval.metrics=[rouge-l]"),
+        overrides(tmp_path, "tune.space={train.nan_tolerance: {grid: [1, 30]}}", "tune.search=grid",
+                  "tune.num_samples=1", "lora.alpha=4096", "train.lr=1.0e-5", "backend.precision=fp16",
+                  "train.max_steps=4", "train.fused_lora=false", "train.chunked_loss=false", "tune.metric=exact_match",
+                  "tune.mode=max", "tune.generate_at_rungs=true", "train.generate_eval_rows=2", "eval.max_tokens=8",
+                  "eval.metrics=[rouge-l]"),
     )  # fmt: skip
     result = sweep(cfg, log=lambda s: None)
-    (row,) = result["trials"]
-    assert row["status"] == "completed" and result["best"]["trial"] == row["trial"]
+    statuses = {r["train.nan_tolerance"]: r["status"] for r in result["trials"]}
+    assert statuses == {1: "failed", 30: "completed"} and result["best"]["config"]["train.nan_tolerance"] == 30
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("sweeps").experiment_id
+    runs = client.search_runs([experiment], "tags.raylora.trial_status = 'failed'")
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    # found by use: the reason was in the console only, though the sweep's message sends users to the child run
+    assert "training diverged" in runs[0].data.tags["raylora.trial_error"]
+    assert [a.path for a in client.list_artifacts(runs[0].info.run_id)] == ["error.txt"]
+    failed = next(Path(r["dir"]) for r in result["trials"] if r["status"] == "failed")
+    assert "nan_tolerance=1" in (failed / "error.txt").read_text()
+
+    row = next(r for r in result["trials"] if r["status"] == "completed")
+    assert result["best"]["trial"] == row["trial"]
     # what Tune (and ASHA) saw: the generated scores at the rungs, steps 2 and 4 (the last)
     reported = [json.loads(line) for line in next((tmp_path / "sweep" / "tune").glob(f"*{row['trial']}*"))
                 .joinpath("result.json").read_text().splitlines()]  # fmt: skip
@@ -167,9 +159,6 @@ def test_asha_compares_trials_on_answers_generated_at_its_rungs(ray_session, tmp
     assert all(0.0 <= r["gen_exact_match"] <= 1.0 for r in reported)
     history = json.loads((Path(row["dir"]) / "history.json").read_text())
     assert [h["step"] for h in history if "gen_exact_match" in h] == [2, 4]
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    (child,) = client.search_runs(
-        [client.get_experiment_by_name("sweeps").experiment_id],
-        f"tags.mlflow.parentRunId = '{result['parent_run_id']}'",
-    )
+    (child,) = client.search_runs([experiment], "tags.raylora.trial_status = 'completed'")
+    assert child.data.tags["mlflow.parentRunId"] == result["parent_run_id"]
     assert [m.step for m in client.get_metric_history(child.info.run_id, "gen_exact_match")] == [2, 4]
