@@ -10,8 +10,8 @@ Runs, back to back in this process:
   ours, batching off      the same with max_batch_size 1
   ours, quantised         serve.quantization (default w8a8-smoothquant), batching on
   transformers serve      `transformers serve <folder> --continuous-batching` (the named baseline)
-  multi-LoRA              8 random rank-8 adapters: one adapter only vs all 8 round-robin; replica memory
-                          with 8 adapters loaded vs the base alone
+  multi-LoRA              8 random rank-8 adapters on the --quantization base: one adapter only vs all 8
+                          round-robin; replica memory with 8 adapters loaded vs the base alone
   prefill                 16 clients streaming while one 4,000-token prompt arrives: the p99 gap between
                           tokens of the 16 streams with chunked prefill (serve.max_prefill_tokens) and with
                           every prompt prefilled whole, against the streams' gap with no long prompt
@@ -315,10 +315,10 @@ def replica_rss_mb() -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
-def multi_lora(dtype: str, clients: int, n: int) -> dict:
+def multi_lora(dtype: str, clients: int, n: int, quantization: str) -> dict:
     root = Path(tempfile.mkdtemp())
     names = make_adapters(root, 8)
-    cfg = _config(dtype, 16, adapter_root=str(root))
+    cfg = _config(dtype, 16, quantization, adapter_root=str(root))
 
     def after(url: str) -> dict:
         base_mb = replica_rss_mb()
@@ -620,7 +620,7 @@ def main() -> None:
             "off": lambda: run_ours(_config(args.dtype, 1), c, max(16, n // 4))}  # fmt: skip
     runs["quant"] = lambda: run_ours(_config(args.dtype, 16, args.quantization), c, n)
     runs["hf"] = lambda: run_transformers_serve(args.dtype, c, n)
-    runs["lora"] = lambda: multi_lora(args.dtype, c, n)
+    runs["lora"] = lambda: multi_lora(args.dtype, c, n, args.quantization)
     runs["prefill"] = lambda: {"on": prefill_run(args.prefill_chunk, c), "off": prefill_run(None, c)}
     runs["decode"] = decode_speed
     runs["json"] = lambda: structured(args.dtype, c, n)
@@ -666,7 +666,7 @@ def main() -> None:
             "\n".join([*ratios, f"{os.cpu_count()} cores, 64-token answers, greedy"]),
         )
     if lora:
-        print(f"\nmulti-LoRA: replica memory base alone {lora['base_mb']:.0f} MiB, with 8 adapters "
+        print(f"\nmulti-LoRA on a {args.quantization} base: replica memory base alone {lora['base_mb']:.0f} MiB, with 8 adapters "
               f"{lora['loaded_mb']:.0f} MiB -> {lora['loaded_mb'] / lora['base_mb']:.3f}x (target <= 1.2)")  # fmt: skip
         s, m = lora["single"], lora["mixed"]
         print(f"best of 2 alternated runs: one adapter {s['tok_s']:.1f} tok/s, 8 adapters round-robin "

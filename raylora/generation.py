@@ -145,6 +145,8 @@ class Engine:
         prefix_cache: keeps prompts' keys and values per adapter for later requests that start the same way
             (:class:`~raylora.prefix_cache.PrefixCache`), or None.
         observer: told of the queue, each token's latency, each finished request and each prefix lookup, or None.
+        on_idle: called on the engine thread each time its last running sequence ends (a replica hands the heap's
+            freed pages back then: ``Backend.release_freed_memory``).
     """
 
     def __init__(
@@ -158,8 +160,10 @@ class Engine:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         prefix_cache: PrefixCache | None = None,
         observer: Observer | None = None,
+        on_idle: Callable[[], None] = lambda: None,
     ):
         self.model = model
+        self.on_idle = on_idle
         self.prefix_cache, self.observer = prefix_cache, observer
         self.autocast = autocast
         self.tokenizer = tokenizer
@@ -251,6 +255,8 @@ class Engine:
                 self._guarded(chunk, self._prefill, chunk)
             if self._running:
                 self._guarded(list(self._running), self._step)
+                if not (self._running or self._prefilling):
+                    self.on_idle()
 
     def _guarded(self, seqs: list[_Seq], work: Callable[..., None], *args) -> None:
         """Run ``work(*args)``; if it raises, fail ``seqs`` (each once) and drop them, and keep serving the rest."""

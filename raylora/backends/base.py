@@ -228,9 +228,9 @@ class Backend:
         )
 
     def release_freed_memory(self) -> None:
-        """After a training step on the CPU, hand the heap's free pages back to the system (:func:`trim_heap`): a
-        step's freed activations stay resident otherwise, in holes that the next step's differently sized ones do
-        not fill (140 MB of a DPO worker's 1.6 GB peak, at the same speed). An accelerator's host heap holds none."""
+        """On the CPU, hand the heap's free pages back to the system (:func:`trim_heap`), after a training step or a
+        serving model's load: freed tensors stay resident otherwise, in holes that the next ones, sized otherwise,
+        do not fill (140 MB of a DPO worker's 1.6 GB peak, at the same speed). An accelerator's host heap holds none."""
         if self.name == "cpu":
             trim_heap()
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from raylora.backends import Backend
 from raylora.config import TrainArgs
+from raylora.models import own_weights
 from raylora.ops.fused_lora import fuse_lora
 from raylora.ops.linear_ce import IGNORE_INDEX, label_positions, linear_cross_entropy
 from raylora.ops.packed_attention import use_packed_attention
@@ -92,9 +93,8 @@ def store_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
     head tied to them) and norms keep their precision: the residual stream stays as autocast leaves it. The
     model then runs only under autocast (a matrix product mixing fp32 inputs and these weights fails).
 
-    The loaded weights may lie in the checkpoint file's memory map (safetensors): once read for the conversion, the
-    file's pages stay resident while any tensor still references the mapping, so the tensors left in it (embeddings,
-    norms) are copied out and the mapping closes (SmolLM2-135M: 390 MB less resident).
+    The tensors left in the checkpoint file's memory map (embeddings, norms) are copied out so that the mapping
+    closes (:func:`raylora.models.own_weights`; SmolLM2-135M: 390 MB less resident).
 
     Returns:
         The number of weight matrices converted.
@@ -107,9 +107,7 @@ def store_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
             weight.data = weight.data.to(dtype)
             converted.add(id(weight))
             count += 1
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in converted:
-            tensor.data = tensor.data.clone()
+    own_weights(model, frozenset(converted))
     return count
 
 

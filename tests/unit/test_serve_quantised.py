@@ -49,3 +49,25 @@ def test_a_4bit_adapter_answers_like_the_full_precision_one(tmp_path):
     with torch.no_grad():
         a, b = small(ids, adapter_names=["a"]).logits, full(ids).logits
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_a_quantised_base_leaves_no_weight_in_the_checkpoints_memory_map(tmp_path):
+    """Issue #38 (replica memory): the embeddings and norms that quantisation leaves kept the safetensors file mapped,
+    and with it every page quantisation had read (SmolLM2-135M: 540 MB of a 1.3 GB replica)."""
+    from raylora.model_files import tiny_tokenizer
+    from raylora.models import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    tiny_tokenizer().save_pretrained(tmp_path / "base")
+    weights = str(tmp_path / "base" / "model.safetensors")
+
+    def mapped() -> bool:
+        return weights in open("/proc/self/maps").read()
+
+    served = {"model": {"name_or_path": str(tmp_path / "base")}, "backend": {"device": "cpu"}}
+    model, _, _ = load_serving_model(from_dict(served))
+    assert mapped()  # unquantised, the weights are served from the file's pages
+    del model
+    model, _, summary = load_serving_model(from_dict({**served, "serve": {"quantization": "w8a8"}}))
+    assert summary["method"] == "w8a8" and not mapped()
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 7 + 1
