@@ -145,8 +145,8 @@ class Engine:
         prefix_cache: keeps prompts' keys and values per adapter for later requests that start the same way
             (:class:`~raylora.prefix_cache.PrefixCache`), or None.
         observer: told of the queue, each token's latency, each finished request and each prefix lookup, or None.
-        on_idle: called on the engine thread each time its last running sequence ends (a replica hands the heap's
-            freed pages back then: ``Backend.release_freed_memory``).
+        on_idle: called on the engine thread each time its last sequence ends, in a decode step or at its prefill (a
+            replica hands the heap's freed pages back then: ``Backend.release_freed_memory``).
     """
 
     def __init__(
@@ -250,13 +250,14 @@ class Engine:
                     future.set_result(fn())
                 except Exception as e:  # the caller gets the reason; the engine keeps serving
                     future.set_exception(e)
+            busy = bool(self._prefilling or self._running)
             if self._prefilling:
                 chunk = self._next_chunk()
                 self._guarded(chunk, self._prefill, chunk)
             if self._running:
                 self._guarded(list(self._running), self._step)
-                if not (self._running or self._prefilling):
-                    self.on_idle()
+            if busy and not (self._running or self._prefilling):
+                self.on_idle()
 
     def _guarded(self, seqs: list[_Seq], work: Callable[..., None], *args) -> None:
         """Run ``work(*args)``; if it raises, fail ``seqs`` (each once) and drop them, and keep serving the rest."""

@@ -285,9 +285,9 @@ def test_the_engine_tells_when_its_last_running_sequence_has_ended():
     e = Engine(tiny_model("llama").eval(), TOK, max_batch_size=8, batch_wait_s=0,
                on_idle=lambda: told.append(threading.current_thread().name))  # fmt: skip
     try:
-        for k in (1, 2):
-            out = wait_for(e, GenRequest(_ids(PROMPTS[k]), max_tokens=5, temperature=0))
-            assert out.completion_tokens == 5
+        for k, n in ((1, 5), (2, 5), (3, 1)):  # the last ends at its prefill, with no decode step
+            out = wait_for(e, GenRequest(_ids(PROMPTS[k]), max_tokens=n, temperature=0))
+            assert out.completion_tokens == n
             deadline = time.monotonic() + 10
             while len(told) < k and time.monotonic() < deadline:
                 time.sleep(0.01)
