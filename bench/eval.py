@@ -8,12 +8,12 @@ clock starts before its model is loaded (each side loads and quantises the same 
 answer.
 
 Runs, back to back in this process:
-  ours     raylora.eval.run.evaluate: one Ray Data actor (2 CPUs, engine_threads 1, eval.max_batch_size: its default,
+  ours     raylora.eval.run.evaluate: one Ray Data actor (2 CPUs, 2 engine threads, eval.max_batch_size: its default,
            64, two batches of 64 rows in flight) holding the base and every adapter, the rows of all adapters
            interleaved in its batches
   hf       Hugging Face batched `generate` with peft, what LLaMA-Factory's predict does: the base and every adapter
            loaded as peft adapters, then per adapter `set_adapter` and batches of --hf-batch (16) left-padded prompts
-  http     16 HTTP clients against `raylora serve` on the same base (max_batch_size 16, engine_threads 1, an LRU
+  http     16 HTTP clients against `raylora serve` on the same base (max_batch_size 16, 2 engine threads, an LRU
            that holds every adapter), each sending prompt x adapter requests until all are answered
   memory   resident memory of one eval actor (in its own process) holding the base with 1 and with 8 adapters
 
@@ -53,7 +53,7 @@ def config(root: Path, names: list[str], prompts: int, max_tokens: int, out: Pat
         "eval": {"candidates": [str(root / n) for n in names], "sources": [{"path": str(SHARED / "alpaca_en_demo.json")}],
                  "max_rows": prompts, "max_tokens": max_tokens, "metrics": ["exact_match", "length"],
                  "actors_per_node": 1, "cpus_per_actor": 2, "batch_rows": 4 * BATCH, "output_dir": str(out)},
-        "serve": {"quantization": "w8a8-smoothquant", "max_batch_size": BATCH, "engine_threads": 1,
+        "serve": {"quantization": "w8a8-smoothquant", "max_batch_size": BATCH,
                   "cpus_per_replica": 2, "max_adapters": 8, "adapter_root": str(root), "port": _port()},
         "backend": {"device": "cpu"},
         "tracking": {"enabled": False},

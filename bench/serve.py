@@ -6,7 +6,7 @@ tokens are counted from each answer's `usage`. Printed per server: generated tok
 peak resident memory of every process of that server (for ours: the whole Ray cluster, sampled every 0.2 s).
 
 Runs, back to back in this process:
-  ours, batching on       raylora serve (engine hf, max_batch_size 16, engine_threads 1 as in configs/smollm2_serve_cpu.yaml)
+  ours, batching on       raylora serve (engine hf, max_batch_size 16, engine threads: the replica's 2 CPUs)
   ours, batching off      the same with max_batch_size 1
   ours, quantised         serve.quantization (default w8a8-smoothquant), batching on
   transformers serve      `transformers serve <folder> --continuous-batching` (the named baseline)
@@ -160,16 +160,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _config(
-    dtype: str, batch: int, quantization: str = "none", adapter_root: str | None = None, threads: int | None = 1
-):
+def _config(dtype: str, batch: int, quantization: str = "none", adapter_root: str | None = None):
     from raylora.config import from_dict
 
     return from_dict({
         "model": {"name_or_path": MODEL, "dtype": dtype},
         "data": {"sources": [{"path": str(SHARED / "alpaca_en_demo.json")}]},
         "serve": {"port": _port(), "max_batch_size": batch, "cpus_per_replica": 2, "quantization": quantization,
-                  "max_adapters": 8, "adapter_root": adapter_root or tempfile.mkdtemp(), "engine_threads": threads},
+                  "max_adapters": 8, "adapter_root": adapter_root or tempfile.mkdtemp()},
         "backend": {"device": "cpu"},
         "tracking": {"enabled": False},
     })  # fmt: skip

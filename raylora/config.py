@@ -309,8 +309,7 @@ class ServeArgs:
     max_batch_size: int = _f(16, help="sequences decoded together per replica", min=1)
     engine_threads: int | None = _f(
         None,
-        help="torch intra-op threads of the replica's generation thread (None: round(cpus_per_replica)); on 2 CPU "
-        "cores 1 decodes 1.4x faster (parallel regions started off Python's main thread are slow)",
+        help="torch intra-op threads of the replica's generation thread (None: round(cpus_per_replica))",
         min=1,
     )
     batch_wait_ms: float = _f(5.0, help="how long a new batch waits for more requests to arrive", min=0)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from raylora.config import EvalArgs, JobConfig, from_dict, to_dict
 from raylora.eval.candidates import Candidate
 from raylora.eval.rows import EvalRow
-from raylora.generation import BASE, Engine, GenRequest, run_all
+from raylora.generation import BASE, Engine, GenRequest, on_passing_thread, run_all
 from raylora.prefix_cache import sized
 from raylora.serve.bank import AdapterBank
 from raylora.serve.replica import load_serving_model
@@ -40,9 +40,8 @@ class Answerer:
 
     def __init__(self, cfg: dict, adapters: dict[str, str]):
         self.cfg = cfg = from_dict(cfg)
-        torch.set_num_threads(max(1, round(cfg.eval.cpus_per_actor)))
         threads = cfg.serve.engine_threads or max(1, round(cfg.eval.cpus_per_actor))
-        model, tokenizer, quantization = load_serving_model(cfg)
+        model, tokenizer, quantization = on_passing_thread(lambda: load_serving_model(cfg), threads)
         self.engine = Engine(model, tokenizer, cfg.eval.max_batch_size, 0, threads, cfg.serve.max_prefill_tokens,
                              prefix_cache=sized(cfg.serve.prefix_cache_mb, model.config))  # fmt: skip
         bank = AdapterBank(self.engine, model, cfg.serve, bool(quantization))

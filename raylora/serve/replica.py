@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from jinja2 import TemplateError
 from ray import serve
 
@@ -23,7 +22,7 @@ from raylora.backends import resolve_backend
 from raylora.config import JobConfig, from_dict
 from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation
-from raylora.generation import Engine, Event, GenRequest, joined
+from raylora.generation import Engine, Event, GenRequest, joined, on_passing_thread
 from raylora.models import load_model, own_weights
 from raylora.prefix_cache import sized
 from raylora.quantize import quantize
@@ -77,14 +76,13 @@ class LLMServer:
 
     def __init__(self, cfg: dict):
         self.cfg = cfg = from_dict(cfg)
-        torch.set_num_threads(max(1, round(cfg.serve.cpus_per_replica)))
-        model, self.tokenizer, self.quantization = load_serving_model(cfg)
+        threads = cfg.serve.engine_threads or max(1, round(cfg.serve.cpus_per_replica))
+        model, self.tokenizer, self.quantization = on_passing_thread(lambda: load_serving_model(cfg), threads)
         self.base = model
         self.encoder = Encoder(tokenizer_spec(self.tokenizer, cfg.data.template), cfg.data.cutoff_len, "tail", False)
         self.hermes_calls = self.encoder.writes_hermes_calls()
         vocab = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         self.token_chars = max(len(token) for token in vocab if token)  # the most text one token stands for
-        threads = cfg.serve.engine_threads or max(1, round(cfg.serve.cpus_per_replica))
         self.metrics = ServingMetrics(cfg.model.name_or_path)
         self.engine = Engine(model, self.tokenizer, cfg.serve.max_batch_size, cfg.serve.batch_wait_ms / 1000, threads,
                              cfg.serve.max_prefill_tokens, prefix_cache=sized(cfg.serve.prefix_cache_mb, model.config),

@@ -1,5 +1,6 @@
 """The continuous-batching engine against plain ``generate`` on a tiny model (exact greedy equality)."""
 
+import os
 import threading
 import time
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from raylora.generation import Engine, Event, GenRequest, answer_text, wait_for
+from raylora.generation import Engine, Event, GenRequest, answer_text, on_passing_thread, wait_for
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
 
@@ -294,3 +295,26 @@ def test_the_engine_tells_when_its_last_running_sequence_has_ended():
             assert told == ["raylora-engine"] * k
     finally:
         e.stop()
+
+
+def test_work_on_a_passing_thread_returns_its_value_and_leaves_no_thread_or_openmp_pool_behind():
+    def os_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    seen = {}
+
+    def load():
+        seen["threads"], seen["name"] = torch.get_num_threads(), threading.current_thread().name
+        return (torch.randn(512, 512) @ torch.randn(512, 512)).shape  # a parallel region: this thread's own pool
+
+    on_passing_thread(load, 2)  # torch starts a thread of its own at its first parallel region: that one stays
+    before = os_threads()
+    assert on_passing_thread(load, 2) == (512, 512)
+    assert seen == {"threads": 2, "name": seen["name"]} and seen["name"].startswith("raylora-load")
+    assert not any(t.name.startswith("raylora-load") for t in threading.enumerate())
+    deadline = time.monotonic() + 5
+    while os_threads() > before and time.monotonic() < deadline:  # its pool's workers exit after it
+        time.sleep(0.05)
+    assert os_threads() <= before  # (threads of earlier tests' engines may still be ending)
+    with pytest.raises(ValueError, match="bad checkpoint"):
+        on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad checkpoint")), 1)
