@@ -316,7 +316,8 @@ class ServeArgs:
     max_prefill_tokens: int = _f(
         64,
         help="prompt tokens prefilled between two decode steps: a long prompt is prefilled in chunks of this size, "
-        "so it delays the running streams by one chunk at a time, not by its whole prefill",
+        "so it delays the running streams by one chunk at a time, not by its whole prefill; shorter prompts waiting "
+        "together are prefilled as one batch of up to max_batch_size times this",
         min=1,
     )
     max_prompt_tokens: int | None = _f(

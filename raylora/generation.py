@@ -274,23 +274,31 @@ class Engine:
             if any(s.failed for s in self._running):
                 self._running, self._cache, self._mask, self._next = [], None, None, None
 
+    def _chunk_tokens(self) -> int:
+        """The most tokens of one prompt prefilled in a turn: ``max_prefill_tokens`` while sequences decode (it delays
+        their next token), ``max_batch_size`` times that when none does (no one waits on it)."""
+        return self.max_prefill_tokens * (1 if self._running else self.max_batch_size)
+
     def _next_chunk(self) -> list[_Seq]:
-        """What is prefilled this turn: short prompts together while their padded batch fits the budget, else the
-        next chunk of a long prompt (short ones go first, so a long prompt never delays a new request's first token
-        by more than a chunk; ``max_batch_size`` bounds how long they can keep it waiting)."""
+        """What is prefilled this turn: the short prompts waiting, together while their padded batch fits
+        ``max_batch_size * max_prefill_tokens`` (16 SmolLM2 W8A8 requests arriving together all had their first token
+        after 0.65-0.74 s, against 0.05-1.45 s one prompt a turn; docs/serving.md); else the next
+        chunk of a long prompt (short ones go first, so a long prompt never delays a new request's first token by
+        more than a chunk; ``max_batch_size`` bounds how long they can keep it waiting)."""
+        budget = self.max_prefill_tokens * self.max_batch_size
         chunk, width = [], 0
         for seq in self._prefilling:
             if self._long(seq):
                 continue
             width = max(width, len(seq.req.prompt_ids))
-            if width * (len(chunk) + 1) > self.max_prefill_tokens:
+            if width * (len(chunk) + 1) > budget:
                 break
             chunk.append(seq)
         return chunk or [next((s for s in self._prefilling if s.prefilled), self._prefilling[0])]
 
     def _long(self, seq: _Seq) -> bool:
         """Whether ``seq``'s prompt is prefilled in chunks."""
-        return seq.prefilled > 0 or len(seq.req.prompt_ids) > self.max_prefill_tokens
+        return seq.prefilled > 0 or len(seq.req.prompt_ids) > self._chunk_tokens()
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache):
         kwargs = {}
@@ -309,7 +317,7 @@ class Engine:
         if self._long(seqs[0]):
             seq = seqs[0]
             start = seq.prefilled
-            end = min(len(seq.req.prompt_ids), start + self.max_prefill_tokens)
+            end = min(len(seq.req.prompt_ids), start + self._chunk_tokens())
             ids = torch.tensor([seq.req.prompt_ids[start:end]])
             mask = torch.ones((1, end), dtype=torch.long)
             logits, seq.cache = self._forward(ids, mask, torch.arange(start, end)[None], seqs, seq.cache)

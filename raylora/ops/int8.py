@@ -210,13 +210,81 @@ class Int8Linear(nn.Linear):
         q, scale = quantize_per_channel(w)
         return cls(q, scale.to(linear.weight.dtype), linear.bias, smooth)
 
+    fused: SharedInput | None = None  # set by fuse_shared_inputs(): this layer's rows of its group's one matmul
+    member: int = 0  # its place in that group
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in_features)`` float -> ``(..., out_features)`` in ``x.dtype``."""
+        if self.fused is not None:
+            return self.fused.output(self.member, x)
         out = w8a8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, self.smooth)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int8, smoothed={self.smooth is not None}"
+
+
+class SharedInput:
+    """One int8 matmul for the linears of a :data:`SHARED_INPUT_GROUPS` group (q, k and v; gate and up), which read
+    the same tensor with the same SmoothQuant factors: the first member called computes every member's output (one
+    quantisation of the input, one matmul over the concatenated weights) and each other member takes its columns
+    when called with that same tensor. Integer products are exact and the rescale is per output channel, so each
+    output is bitwise what the member alone would give; a member called with another tensor computes it again.
+
+    Args:
+        members: the group's layers; their weights become row slices of one concatenated tensor (no extra memory).
+    """
+
+    def __init__(self, members: list[Int8Linear]):
+        first = members[0]
+        self.weight = torch.cat([m.weight.detach() for m in members])
+        self.weight_scale = torch.cat([m.weight_scale for m in members])
+        self.bias = None if first.bias is None else torch.cat([m.bias.detach() for m in members])
+        self.smooth, self.in_features = first.smooth, first.in_features
+        self.splits = [m.out_features for m in members]
+        start = 0
+        for i, m in enumerate(members):
+            m.weight = nn.Parameter(self.weight[start : start + m.out_features], requires_grad=False)
+            m.weight_scale = self.weight_scale[start : start + m.out_features]
+            m.fused, m.member = self, i
+            start += m.out_features
+        self._input: torch.Tensor | None = None
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def output(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``member``'s ``(..., out_features)`` output for ``x``."""
+        held = self._input
+        if held is not x or member not in self._outputs:  # held: the input of the outputs not yet taken
+            out = w8a8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, self.smooth)
+            parts = out.reshape(*x.shape[:-1], out.shape[-1]).split(self.splits, dim=-1)
+            self._outputs, self._input = dict(enumerate(parts)), x
+        out = self._outputs.pop(member)
+        if not self._outputs:
+            self._input = None  # every member has its part: hold nothing between forward passes
+        return out
+
+
+def fuse_shared_inputs(model: nn.Module) -> int:
+    """Give each :data:`SHARED_INPUT_GROUPS` group of a quantised ``model``'s int8 linears one matmul
+    (:class:`SharedInput`); call it once the model is on its device. Returns the number of groups fused."""
+    fused = 0
+    for parent in model.modules():
+        for group in SHARED_INPUT_GROUPS:
+            members = [getattr(parent, name, None) for name in group]
+            if not all(type(m) is Int8Linear and m.fused is None for m in members):
+                continue
+            first = members[0]
+            same_input = all(
+                m.in_features == first.in_features
+                and (m.bias is None) == (first.bias is None)
+                and ((m.smooth is None and first.smooth is None) or (
+                    m.smooth is not None and first.smooth is not None and torch.equal(m.smooth, first.smooth)))
+                for m in members
+            )  # fmt: skip
+            if same_input:
+                SharedInput(members)
+                fused += 1
+    return fused
 
 
 class Int8Embedding(nn.Embedding):

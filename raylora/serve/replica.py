@@ -24,6 +24,7 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation
 from raylora.generation import Engine, Event, GenRequest, joined, on_passing_thread
 from raylora.models import load_model, own_weights
+from raylora.ops.int8 import fuse_shared_inputs
 from raylora.prefix_cache import sized
 from raylora.quantize import quantize
 from raylora.registry import AdapterError
@@ -50,7 +51,9 @@ def load_serving_model(cfg: JobConfig):
         # its calibration's activations stayed in the heap: SmolLM2-135M W8A8, 1,293 -> 756 MB resident
         own_weights(model)
         backend.release_freed_memory()
-    return model.to(backend.torch_device()), tokenizer, summary
+    model = model.to(backend.torch_device())
+    fuse_shared_inputs(model)  # int8 q, k, v and gate, up (quantised here or an int8 folder): one matmul each
+    return model, tokenizer, summary
 
 
 class _Held:

@@ -318,3 +318,39 @@ def test_work_on_a_passing_thread_returns_its_value_and_leaves_no_thread_or_open
     assert os_threads() <= before  # (threads of earlier tests' engines may still be ending)
     with pytest.raises(ValueError, match="bad checkpoint"):
         on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad checkpoint")), 1)
+
+
+def test_a_burst_of_short_prompts_is_prefilled_in_one_forward_idle_or_not(monkeypatch):
+    model = tiny_model("llama").eval()
+    prompts = ["hi you", "abc", "cat sat", "x y z"]  # each within max_prefill_tokens (8)
+    expected = [_generate(model, p, 6) for p in prompts]
+    engine = Engine(model, TOK, max_batch_size=8, batch_wait_s=0.5, max_prefill_tokens=8)
+    prefills: list[int] = []
+    prefill = engine._prefill
+    monkeypatch.setattr(engine, "_prefill", lambda seqs: (prefills.append(len(seqs)), prefill(seqs)))
+    assert 8 < max(len(_ids(p)) for p in prompts) * len(prompts) <= 8 * 8  # past one prompt's budget, within 8 of them
+    results: dict[int, Event] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, wait_for(engine, GenRequest(_ids(prompts[i]), max_tokens=6, temperature=0))))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert prefills[0] == len(prompts)  # at an idle engine
+    assert [results[i].text for i in range(len(prompts))] == expected
+    # at a busy one: the four arrive while a step runs, and join the decoding stream in one prefill
+    engine.eos_ids = set()
+    stream = engine.submit(GenRequest(_ids("abc"), max_tokens=300, temperature=0), lambda e: None)
+    while not stream.ids:
+        threading.Event().wait(0.01)
+    gate = threading.Event()
+    engine.call(lambda: gate.wait(10))
+    later = [engine.submit(GenRequest(_ids(p), max_tokens=1, temperature=0), lambda e: None) for p in prompts]
+    prefills.clear()
+    gate.set()
+    while any(not s.ids for s in later):
+        threading.Event().wait(0.01)
+    engine.stop()
+    assert prefills == [len(prompts)]

@@ -27,6 +27,7 @@ from raylora.ops import Int4Linear, Int8Embedding, Int8Linear, quantize_adapter,
 from raylora.ops.int4 import int4_roundtrip_reference, pack_int4, unpack_int4
 from raylora.ops.int8 import (
     INT8_MATMUL_KERNELS,
+    fuse_shared_inputs,
     int8_matmul_kernel,
     quantize_per_channel,
     smoothquant_factors,
@@ -276,3 +277,28 @@ def test_errors(base):
     quantize_model(model, "w8a8")
     with pytest.raises(ValueError, match="already quantised"):
         quantize_model(model, "w8a8")
+
+
+@pytest.mark.parametrize("method", ["w8a8", "w8a8-smoothquant"])
+def test_fused_shared_inputs_give_bitwise_the_same_logits_with_mixed_adapters_and_no_extra_memory(
+    base, adapters, method
+):
+    model = copy.deepcopy(base)
+    quantize_model(model, method, CALIBRATION if method == "w8a8-smoothquant" else None)
+    separate = PeftModel.from_pretrained(copy.deepcopy(model), adapters["a"], adapter_name="a")
+    separate.load_adapter(adapters["b"], adapter_name="b")
+    bytes_before = weight_bytes(model)
+    layers = model.config.num_hidden_layers
+    assert fuse_shared_inputs(model) == 2 * layers  # q, k, v and gate, up in every layer
+    assert weight_bytes(model) == bytes_before
+    q_proj, k_proj = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj
+    assert k_proj.weight.data_ptr() == q_proj.weight.data_ptr() + q_proj.weight.nbytes  # one tensor
+    fused = PeftModel.from_pretrained(model, adapters["a"], adapter_name="a")
+    fused.load_adapter(adapters["b"], adapter_name="b")
+    names = ["a", "b", "__base__"]
+    assert torch.equal(logits(fused, adapter_names=names), logits(separate, adapter_names=names))
+    # a member called with another tensor than its group's last input computes its own output
+    x = torch.randn(5, model.config.hidden_size)
+    q, k = q_proj(x), k_proj(x + 1)
+    assert torch.equal(k, w8a8_linear(x + 1, k_proj.weight, k_proj.weight_scale, None, k_proj.smooth))
+    assert torch.equal(q, w8a8_linear(x, q_proj.weight, q_proj.weight_scale, None, q_proj.smooth))
