@@ -274,17 +274,19 @@ def fuse_shared_inputs(model: nn.Module) -> int:
             if not all(type(m) is Int8Linear and m.fused is None for m in members):
                 continue
             first = members[0]
-            same_input = all(
-                m.in_features == first.in_features
-                and (m.bias is None) == (first.bias is None)
-                and ((m.smooth is None and first.smooth is None) or (
-                    m.smooth is not None and first.smooth is not None and torch.equal(m.smooth, first.smooth)))
-                for m in members
-            )  # fmt: skip
-            if same_input:
+            if all(_same_input(m, first) for m in members):
                 SharedInput(members)
                 fused += 1
     return fused
+
+
+def _same_input(a: Int8Linear, b: Int8Linear) -> bool:
+    """Whether ``a`` and ``b`` can share one matmul: the same input width and SmoothQuant factors, both with or both
+    without a bias."""
+    same_smooth = a.smooth is b.smooth or (
+        a.smooth is not None and b.smooth is not None and torch.equal(a.smooth, b.smooth)
+    )
+    return a.in_features == b.in_features and (a.bias is None) == (b.bias is None) and same_smooth
 
 
 class Int8Embedding(nn.Embedding):
