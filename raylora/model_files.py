@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from raylora.config import ModelArgs
+from raylora.paths import cache_home
 from raylora.templates import CHATML
 
 MANIFEST = "raylora-cache.json"
@@ -85,8 +86,7 @@ def model_folder(args: ModelArgs) -> Path:
 
 def cache_root(args: ModelArgs) -> Path:
     """Where converted models live: ``model.cache_dir``, else ``$RAYLORA_CACHE``, else ``~/.cache/raylora``."""
-    root = args.cache_dir or os.environ.get("RAYLORA_CACHE") or "~/.cache/raylora"
-    return Path(root).expanduser().resolve()
+    return Path(args.cache_dir).expanduser().resolve() if args.cache_dir else cache_home()
 
 
 def gguf_to_cache(gguf: Path, folder: Path) -> Path:

@@ -35,6 +35,12 @@ OUTPUTS = {
 }
 
 
+def cache_home() -> Path:
+    """raylora's cache of things made once per machine (converted models, an empty MLflow store): ``$RAYLORA_CACHE``,
+    else ``~/.cache/raylora``."""
+    return Path(os.environ.get("RAYLORA_CACHE") or "~/.cache/raylora").expanduser().resolve()
+
+
 def in_ray_copy(folder: Path) -> bool:
     """Whether ``folder`` lies in Ray's temporary copy of a job's working folder."""
     return RAY_COPY_MARK in f"{folder.resolve()}/"

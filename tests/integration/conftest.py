@@ -20,6 +20,13 @@ def ray_session(_ray_for_this_process):
 
 
 @pytest.fixture
+def session_address(ray_session) -> str:
+    """The module's shared cluster, for a command a test runs in a process of its own (``RAY_ADDRESS``): a command
+    that started a cluster of its own paid about 9 s of CPU for it, and the suite is CPU-bound."""
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture
 def ray_tmp() -> str:
     """A short folder under /tmp for a test's own Ray cluster (Ray's socket paths must fit in 107 bytes); after the
     test, whatever of that cluster still runs is stopped and the folder removed."""

@@ -12,7 +12,6 @@ import mlflow
 import pytest
 from peft import PeftModel
 
-from raylora.cluster import stop_cluster
 from raylora.config import load_config
 from raylora.models import tiny_model
 from raylora.tune.sweep import sweep
@@ -75,14 +74,14 @@ def test_mlflow_has_one_parent_and_a_child_per_trial_and_the_best_is_registered(
     assert version.tags["raylora.kind"] == "lora-adapter" and version.run_id == parent.info.run_id
 
 
-def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
+def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finished_trials(tmp_path, session_address):
     """Found by use: a stopped sweep (SIGINT) marked its running trials 'stopped early' (ASHA's label) and closed
     their MLflow runs; with SIGTERM, as schedulers stop jobs, it left every run RUNNING and wrote no results.
 
     Stopped while the second trial trains, the sweep says how to resume, labels no trial and marks its parent run
     KILLED; ``--resume`` does not rerun the finished first trial and completes the second. (A sweep killed outright
     resumes too: test_tune_shared.py.)"""
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    env = {**os.environ, "RAY_ADDRESS": session_address}
     cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
            *overrides(tmp_path, "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
                       "tune.max_concurrent=1", "tune.scheduler=none", "train.max_steps=8", "train.eval_every=0")]  # fmt: skip
@@ -101,7 +100,6 @@ def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finis
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait()
-        stop_cluster(ray_tmp)
     said = (tmp_path / "driver.err").read_text()
     assert driver.returncode == 1 and "stopped by a signal" in said and "--resume" in said, said[-3000:]
     assert not (tmp_path / "sweep" / "results.csv").exists()  # no trial labelled before the sweep ends
@@ -109,7 +107,6 @@ def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finis
     assert mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(parent).info.status == "KILLED"
 
     resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    stop_cluster(ray_tmp)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((first / "workers" / "rank0.json").read_text())["pid"] == finished_pid  # not rerun
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]

@@ -21,7 +21,6 @@ import mlflow
 import pytest
 from peft import PeftModel
 
-from raylora.cluster import stop_cluster
 from raylora.config import load_config
 from raylora.models import tiny_model
 from raylora.tune.sweep import sweep
@@ -80,7 +79,7 @@ def test_each_trial_has_its_mlflow_child_run(swept):
         assert steps == list(range(2, 2 * len(steps) + 1, 2)) and "eval_loss" in child.data.metrics
 
 
-def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
+def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path, session_address):
     """Two trials share a group (on both cores, so in two lanes) and finish; the driver is killed while the third
     trains; ``--resume`` restores the sweep with Tune: the finished two are not rerun (their join records are
     untouched) and the third completes.
@@ -89,7 +88,7 @@ def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_pa
     scores every completed trial's answers to the held-out questions in one pass, and the best is the best-scoring
     trial (equal scores: the lower eval loss), its score in results.csv and in the trial's MLflow run."""
     # Tune saves the sweep's state every 10 s or so by default: a trial that ended since the last save is rerun.
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "TUNE_GLOBAL_CHECKPOINT_S": "0.5"}
+    env = {**os.environ, "RAY_ADDRESS": session_address, "TUNE_GLOBAL_CHECKPOINT_S": "0.5"}
     # one group on both cores: its two members run in two lanes
     cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
            f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=true",
@@ -113,11 +112,9 @@ def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_pa
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-        stop_cluster(ray_tmp)
     said = (tmp_path / "driver.err").read_text()[-3000:]
     assert len(joined) == 3 and ended() >= 2, f"the first two trials never ended while the third trained: {said}"
     resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    stop_cluster(ray_tmp)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in finished} == finished  # neither finished trial joined a group again
     rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
