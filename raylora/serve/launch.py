@@ -157,20 +157,28 @@ def wait_for_interrupt(poll: float = 0.5) -> None:
 
 
 def serve_forever(cfg: JobConfig) -> None:
-    """``raylora serve``: deploy, print how to call it, and serve until Ctrl-C or SIGTERM, then stop cleanly."""
-    url = start(cfg)
+    """``raylora serve``: deploy, print how to call it, and serve until Ctrl-C or SIGTERM, then stop cleanly.
+
+    The signals stop it while it starts too: loading and quantising a model takes half a minute, and a Ctrl-C then
+    was ignored (Ray's ``ray.init`` replaces the SIGTERM handler, so it is set again once the app runs)."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)  # whatever handler Ray or a library left for Ctrl-C
-    print(f"raylora serve: {url}/v1 is ready (OpenAI API; GET {url}/v1/models lists the base and adapters). "
-          "Ctrl-C stops it.", flush=True)  # fmt: skip
+    def catch_stop_signals() -> None:
+        signal.signal(signal.SIGTERM, interrupt)
+        signal.signal(signal.SIGINT, interrupt)  # whatever handler Ray or a library left for Ctrl-C
+
+    catch_stop_signals()
     try:
+        url = start(cfg)
+        catch_stop_signals()
+        print(f"raylora serve: {url}/v1 is ready (OpenAI API; GET {url}/v1/models lists the base and adapters). "
+              "Ctrl-C stops it.", flush=True)  # fmt: skip
         wait_for_interrupt()
     except KeyboardInterrupt:
         print("raylora serve: stopping", flush=True)
-        serve.delete(APP_NAME)
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.delete(APP_NAME)
+            serve.shutdown()
+            ray.shutdown()

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from raylora.serve import launch
 from raylora.serve.launch import wait_for_interrupt
 
 
@@ -32,3 +33,35 @@ def test_a_sigint_delivered_to_another_thread_stops_the_wait_within_a_poll():
         signal.alarm(0)
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGALRM, previous[1])
+
+
+def test_a_sigint_while_the_server_starts_stops_it(monkeypatch, capsys):
+    """Found by use: Ctrl-C while the replica loaded and quantised SmolLM2 (half a minute) was lost; the server came up
+    and served until a second Ctrl-C."""
+    polls = []
+
+    def slow_start(cfg):  # as serve.run polls until the application runs
+        threading.Timer(0.2, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)).start()
+        for _ in range(100):
+            polls.append(time.monotonic())
+            time.sleep(0.1)
+        return "http://127.0.0.1:1"
+
+    monkeypatch.setattr(launch, "start", slow_start)
+    previous = (
+        signal.getsignal(signal.SIGINT),
+        signal.getsignal(signal.SIGTERM),
+        signal.signal(signal.SIGALRM, _timeout),
+    )
+    signal.alarm(10)
+    try:
+        started = time.monotonic()
+        launch.serve_forever(None)
+        assert time.monotonic() - started < 2.0 and len(polls) < 20
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+        signal.signal(signal.SIGALRM, previous[2])
+    out = capsys.readouterr().out
+    assert "raylora serve: stopping" in out and "is ready" not in out
