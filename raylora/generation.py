@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar
 
 import torch
 from tokenizers.decoders import DecodeStream
+from transformers import DynamicCache
 
 from raylora.prefix_cache import PrefixCache
 
@@ -284,21 +285,22 @@ class Engine:
         ``max_batch_size * max_prefill_tokens`` (16 SmolLM2 W8A8 requests arriving together all had their first token
         after 0.65-0.74 s, against 0.05-1.45 s one prompt a turn; docs/serving.md); else the next
         chunk of a long prompt (short ones go first, so a long prompt never delays a new request's first token by
-        more than a chunk; ``max_batch_size`` bounds how long they can keep it waiting)."""
+        more than a chunk; ``max_batch_size`` bounds how long they can keep it waiting). A prompt is short when what
+        is left of it to prefill is: a prompt whose start the prefix cache held joins the others."""
         budget = self.max_prefill_tokens * self.max_batch_size
         chunk, width = [], 0
         for seq in self._prefilling:
             if self._long(seq):
                 continue
-            width = max(width, len(seq.req.prompt_ids))
+            width = max(width, len(seq.req.prompt_ids) - seq.prefilled)
             if width * (len(chunk) + 1) > budget:
                 break
             chunk.append(seq)
         return chunk or [next((s for s in self._prefilling if s.prefilled), self._prefilling[0])]
 
     def _long(self, seq: _Seq) -> bool:
-        """Whether ``seq``'s prompt is prefilled in chunks."""
-        return seq.prefilled > 0 or len(seq.req.prompt_ids) > self._chunk_tokens()
+        """Whether what is left of ``seq``'s prompt is prefilled in chunks."""
+        return len(seq.req.prompt_ids) - seq.prefilled > self._chunk_tokens()
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache):
         kwargs = {}
@@ -327,16 +329,25 @@ class Engine:
             cache, seq.cache = seq.cache, None
             self._keep_prefix(seq, cache, 0, 0)
         else:
-            width = max(len(s.req.prompt_ids) for s in seqs)
-            ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+            # Each row is its prompt right-aligned in ``past + query`` columns, left-padded: the last ``query`` columns
+            # are computed now, the ones before come from the keys and values a row already holds (its cached start),
+            # of which a row whose uncached rest is shorter than ``query`` recomputes the last few.
+            query = max(len(s.req.prompt_ids) - s.prefilled for s in seqs)
+            kept = [max(0, len(s.req.prompt_ids) - query) for s in seqs]
+            past = max(kept)
+            width = past + query
+            ids = torch.full((len(seqs), query), self.tokenizer.pad_token_id or 0, dtype=torch.long)
             mask = torch.zeros((len(seqs), width), dtype=torch.long)
             for i, s in enumerate(seqs):
                 n = len(s.req.prompt_ids)
-                ids[i, width - n :] = torch.tensor(s.req.prompt_ids)
+                ids[i, query - (n - kept[i]) :] = torch.tensor(s.req.prompt_ids[kept[i] :])
                 mask[i, width - n :] = 1
-            positions = (mask.cumsum(1) - 1).clamp(min=0)
-            logits, cache = self._forward(ids, mask, positions, seqs, None)
+            positions = (mask.cumsum(1) - 1).clamp(min=0)[:, past:]
+            logits, cache = self._forward(
+                ids, mask, positions, seqs, _stacked(seqs, kept, past, self.model.config) if past else None
+            )
             for i, s in enumerate(seqs):
+                s.cache = None
                 self._keep_prefix(s, cache, i, width - len(s.req.prompt_ids))
         with self._cv:
             self._prefilling = [s for s in self._prefilling if s not in seqs]
@@ -440,6 +451,23 @@ class Engine:
         elif delta:
             seq.emit(Event(delta))
         return reason is not None
+
+
+def _stacked(seqs: list[_Seq], kept: list[int], past: int, config) -> DynamicCache:
+    """One cache for a batch of a model of ``config``: row ``i`` holds the first ``kept[i]`` keys and values of
+    ``seqs[i]``'s own cache, left-padded with zeros to ``past`` columns (the mask hides them)."""
+    cache = DynamicCache(config=config)
+    layers = [s.cache.layers if s.cache is not None else None for s in seqs]
+    some = next(ls for ls in layers if ls is not None)
+    for layer in range(len(some)):
+        keys, values = [], []
+        for own, k in zip(layers, kept, strict=True):
+            like = some[layer].keys[:, :, :0]
+            pad = like.new_zeros(like.shape[:2] + (past - k,) + like.shape[3:])
+            keys.append(torch.cat([pad, own[layer].keys[:, :, :k]] if k else [pad], dim=2))
+            values.append(torch.cat([pad, own[layer].values[:, :, :k]] if k else [pad], dim=2))
+        cache.update(torch.cat(keys), torch.cat(values), layer)
+    return cache
 
 
 def _top_p_sample(logits: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
