@@ -35,18 +35,16 @@ ray.shutdown()
 """
 
 
-def start_local_clusters(
-    count: int = 1, stale_address: str | None = None
-) -> list[tuple[str, str, str, tuple[str, str]]]:
-    """For each of ``count`` clusters that ``ensure_ray`` starts at the same moment, each in a fresh interpreter as
+def start_local_clusters(*stale_addresses: str | None) -> list[tuple[str, str, str, tuple[str, str]]]:
+    """For each entry, a cluster that ``ensure_ray`` starts, all at the same moment, each in a fresh interpreter as
     `raylora train` or `python jobs/train.py` does: ``(node address, GCS address, stderr, (state API address its
     workers use, its dashboard))`` (Ray reads the setting that keeps a 127.0.0.1 node address on loopback when it is
-    first imported, and this process imported it long ago); with ``stale_address``, Ray's file names a `ray start`
-    at that address that is gone."""
-    temp_dirs = [tempfile.mkdtemp(prefix="rl-", dir="/tmp") for _ in range(count)]  # Ray's socket paths: <107 bytes
+    first imported, and this process imported it long ago); an entry that is an address makes Ray's file name a
+    `ray start` at that address that is gone."""
+    temp_dirs = [tempfile.mkdtemp(prefix="rl-", dir="/tmp") for _ in stale_addresses]  # Ray's socket paths: <107 bytes
     runs = []
     try:
-        for temp_dir in temp_dirs:
+        for temp_dir, stale_address in zip(temp_dirs, stale_addresses, strict=True):
             if stale_address:
                 (Path(temp_dir) / "ray").mkdir()
                 (Path(temp_dir) / "ray" / "ray_current_cluster").write_text(stale_address)
@@ -74,33 +72,23 @@ def start_local_clusters(
     return found
 
 
-def start_local_cluster(stale_address: str | None = None) -> tuple[str, str, str, tuple[str, str]]:
-    return start_local_clusters(1, stale_address)[0]
+def test_local_clusters_started_at_once_beside_another_stay_on_loopback_with_dashboards_of_their_own(ray_session):
+    """Two clusters that ``ensure_ray`` starts at the same moment, beside this test process's own Ray; the second
+    where Ray's file still names the last `ray start`, killed without `ray stop`. Each started a cluster on a host
+    with another cluster, costing about 10 s of CPU, so the three faults found by use share one start:
 
-
-def test_a_local_cluster_started_by_raylora_binds_to_loopback_and_finds_itself_beside_another(ray_session):
-    """This test process's own Ray is the other instance: Ray's state API in the new cluster's workers (Ray Train's
-    placement-group cleaner) failed with "Found multiple active Ray instances"."""
-    node, gcs, _, (state, dashboard) = start_local_cluster()
-    assert node == "127.0.0.1"
-    assert gcs.startswith("127.0.0.1:")
-    assert state == dashboard and dashboard.startswith("http://127.0.0.1:")
-
-
-def test_clusters_started_at_the_same_moment_each_get_a_dashboard_of_their_own():
-    """Both took Ray's default port 8265 when they looked, and the second's dashboard failed to bind it."""
-    first, second = start_local_clusters(2)
-    assert first[3][1] != second[3][1]
-    for node, _, _, (state, dashboard) in (first, second):
-        assert node == "127.0.0.1" and state == dashboard
-
-
-def test_a_ray_start_that_is_gone_gives_way_to_a_local_cluster():
-    """Ray's file still names the last `ray start`, killed without `ray stop`: Ray would wait for it and fail."""
+    - found beside another Ray instance, Ray's state API in the new cluster's workers (Ray Train's placement-group
+      cleaner) failed with "Found multiple active Ray instances";
+    - both took Ray's default port 8265 when they looked, and the second's dashboard failed to bind it;
+    - with a `ray start` that is gone, Ray would wait for it and fail."""
     dead = f"127.0.0.1:{free_port()}"
-    node, _, err, _ = start_local_cluster(stale_address=dead)
-    assert node == "127.0.0.1"
-    assert f"the last `ray start` on this host ({dead}) does not answer" in err
+    first, second = start_local_clusters(None, dead)
+    for node, gcs, _, (state, dashboard) in (first, second):
+        assert node == "127.0.0.1" and gcs.startswith("127.0.0.1:")
+        assert state == dashboard and dashboard.startswith("http://127.0.0.1:")
+    assert first[3][1] != second[3][1]
+    assert f"the last `ray start` on this host ({dead}) does not answer" in second[2]
+    assert "does not answer" not in first[2]
 
 
 def test_stopping_a_cluster_leaves_none_of_its_processes():
