@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -175,13 +176,14 @@ def test_streaming_dataset_without_materialising(tmp_path, mixed):
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_prepares_the_shared_samples_with_smollm2(tmp_path, root):
-    """English, Chinese and identity samples end to end through `raylora prepare` (a Ray job of its own)."""
+def test_cli_prepares_the_shared_samples_with_smollm2(tmp_path, root, session_address):
+    """English, Chinese and identity samples end to end through `raylora prepare`: a Ray driver of its own, on the
+    module's cluster (``RAY_ADDRESS``; a cluster of its own costs about 10 s of CPU)."""
     if not SHARED.exists():
         pytest.skip("../shared/data is not beside this checkout")
     proc = subprocess.run(
         [sys.executable, "jobs/prepare.py", "configs/smollm2_prepare_cpu.yaml", f"data.output_dir={tmp_path}/out"],
-        cwd=root, capture_output=True, text=True, timeout=600,
+        cwd=root, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": session_address},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
