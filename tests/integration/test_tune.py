@@ -1,4 +1,4 @@
-"""Ray Tune sweeps: four real Ray Train trials on a tiny Llama, ASHA, MLflow parent and children, resume."""
+"""Ray Tune sweeps: real Ray Train trials on a tiny Llama, ASHA, MLflow parent and children, resume."""
 
 import json
 import os
@@ -17,9 +17,10 @@ from raylora.models import tiny_model
 from raylora.tune.sweep import sweep
 
 ROOT = Path(__file__).resolve().parents[2]
-# Two good learning rates first, then two that barely move the loss: with two trials at a time, ASHA
-# compares the slow pair against the first pair's rungs and stops them.
-GRID = "tune.space={train.lr: {grid: [0.03, 0.01, 1.0e-6, 1.0e-7]}, lora.rank: {choice: [4]}}"
+# Two good learning rates first, then one that barely moves the loss: with two trials at a time, the slow one starts
+# once a good one has finished, and ASHA stops it at its first rung against the good ones' results there (a lone
+# trial costs about 35 s of CPU, so the sweep has no fourth).
+GRID = "tune.space={train.lr: {grid: [0.03, 0.01, 1.0e-7]}, lora.rank: {choice: [4]}}"
 
 
 def overrides(tmp, *more):
@@ -41,16 +42,15 @@ def swept(tmp_path_factory, ray_session):
 def test_asha_stops_a_slow_trial_and_the_best_adapter_is_copied_and_loads(swept):
     tmp, result = swept
     statuses = {r["train.lr"]: r["status"] for r in result["trials"]}
-    # ASHA may also stop the weaker of the two good rates at a rung; the slow pair never completes both.
-    assert len(statuses) == 4 and "completed" in statuses.values() and "stopped early" in statuses.values()
-    assert "stopped early" in (statuses[1e-6], statuses[1e-7])
+    # ASHA may also stop the weaker of the two good rates at a rung; the slow one never completes.
+    assert len(statuses) == 3 and "completed" in statuses.values() and statuses[1e-7] == "stopped early"
     stopped = [r for r in result["trials"] if r["status"] == "stopped early"]
     assert all(r["steps"] < 8 for r in stopped)
     assert result["best"]["config"]["train.lr"] in (0.03, 0.01)
     adapter = PeftModel.from_pretrained(tiny_model("llama"), tmp / "sweep" / "best" / "adapter")
     assert any(p.abs().sum() > 0 for n, p in adapter.named_parameters() if "lora_B" in n)
     table = (tmp / "sweep" / "results.csv").read_text().splitlines()
-    assert table[0] == "trial,train.lr,lora.rank,status,steps,metric" and len(table) == 5
+    assert table[0] == "trial,train.lr,lora.rank,status,steps,metric" and len(table) == 4
     assert (tmp / "sweep" / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -60,7 +60,7 @@ def test_mlflow_has_one_parent_and_a_child_per_trial_and_the_best_is_registered(
     runs = client.search_runs([client.get_experiment_by_name("sweeps").experiment_id])
     parent = client.get_run(result["parent_run_id"])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(runs) == 5 and len(children) == 4
+    assert len(runs) == 4 and len(children) == 3
     assert parent.info.status == "FINISHED" and parent.data.params["best.train.lr"] == str(
         result["best"]["config"]["train.lr"]
     )
