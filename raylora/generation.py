@@ -460,12 +460,12 @@ def _stacked(seqs: list[_Seq], kept: list[int], past: int, config) -> DynamicCac
     layers = [s.cache.layers if s.cache is not None else None for s in seqs]
     some = next(ls for ls in layers if ls is not None)
     for layer in range(len(some)):
+        like = some[layer].keys  # (1, heads, tokens, head_dim): the shape and dtype of every row's padding
         keys, values = [], []
         for own, k in zip(layers, kept, strict=True):
-            like = some[layer].keys[:, :, :0]
             pad = like.new_zeros(like.shape[:2] + (past - k,) + like.shape[3:])
-            keys.append(torch.cat([pad, own[layer].keys[:, :, :k]] if k else [pad], dim=2))
-            values.append(torch.cat([pad, own[layer].values[:, :, :k]] if k else [pad], dim=2))
+            keys.append(torch.cat([pad, own[layer].keys[:, :, :k]], dim=2) if k else pad)
+            values.append(torch.cat([pad, own[layer].values[:, :, :k]], dim=2) if k else pad)
         cache.update(torch.cat(keys), torch.cat(values), layer)
     return cache
 
