@@ -1,10 +1,12 @@
-"""Mixed-adapter LoRA for a batch: one gathered batched matmul per layer, whatever the number of adapters.
+"""Mixed-adapter LoRA for a batch: two matmuls per layer, whatever the number of adapters.
 
 peft's mixed-batch forward (``adapter_names``, the reference this op is tested against) runs, in every LoRA
 linear, an index, two matmuls and a scatter for each distinct adapter in the batch; with 8 adapters in a
-16-row decode batch those small ops cost about a quarter of the throughput on 2 CPU cores. Here each layer
-keeps its adapters stacked (slot 0 is the base model: zeros), every row gathers its adapter's factors, and
-two ``bmm`` calls apply them all.
+16-row decode batch those small ops cost about a quarter of the throughput on 2 CPU cores. Here each layer keeps
+its adapters side by side (``lora_A`` as column blocks of one matrix, ``lora_B`` as row blocks of another); a
+batch multiplies by the blocks of the adapters it uses, zeroes in each row the blocks of the others, and
+multiplies by their ``lora_B`` blocks. Gathering each row's own factors instead (two ``bmm`` of (rows, in, rank)
+copies) cost 29% of a 64-row mixed-adapter decode of SmolLM2 W8A8 on 2 cores.
 
 Only plain LoRA on ``nn.Linear`` is stacked; a layer holding DoRA, a LoRA bias or int4-stored factors keeps
 peft's own path.
@@ -25,9 +27,10 @@ BASE = "__base__"
 
 @dataclass
 class _Stack:
-    slots: dict[str, int]  # adapter name -> index into a and b; the base model is 0
-    a: torch.Tensor  # (adapters + 1, in_features, rank): lora_A transposed, zero-padded to the largest rank
-    b: torch.Tensor  # (adapters + 1, rank, out_features): lora_B transposed, times the adapter's scaling
+    slots: dict[str, int]  # adapter name -> its block in a and b, from 0
+    rank: int  # columns of a block: the largest rank, smaller ones zero-padded
+    a: torch.Tensor  # (in_features, adapters * rank): lora_A transposed, one column block per adapter
+    b: torch.Tensor  # (adapters * rank, out_features): lora_B transposed, times the adapter's scaling
 
 
 def stack_adapters(model: nn.Module) -> int:
@@ -66,13 +69,13 @@ def plain_lora(layer, names: list[str]) -> bool:
 def _build(layer, names: list[str]) -> _Stack:
     rank = max(layer.lora_A[n].weight.shape[0] for n in names)
     ref = layer.lora_A[names[0]].weight
-    a = ref.new_zeros(len(names) + 1, layer.in_features, rank)
-    b = ref.new_zeros(len(names) + 1, rank, layer.out_features)
-    for i, n in enumerate(names, start=1):
+    a = ref.new_zeros(layer.in_features, len(names) * rank)
+    b = ref.new_zeros(len(names) * rank, layer.out_features)
+    for i, n in enumerate(names):
         wa, wb = layer.lora_A[n].weight.detach(), layer.lora_B[n].weight.detach()
-        a[i, :, : wa.shape[0]] = wa.T
-        b[i, : wb.shape[1], :] = (wb * layer.scaling[n]).T
-    return _Stack({n: i for i, n in enumerate(names, start=1)}, a, b)
+        a[:, i * rank : i * rank + wa.shape[0]] = wa.T
+        b[i * rank : i * rank + wb.shape[1]] = (wb * layer.scaling[n]).T
+    return _Stack({n: i for i, n in enumerate(names)}, rank, a, b)
 
 
 def _stacked_forward(self, x: torch.Tensor, *args, adapter_names: list[str], **kwargs) -> torch.Tensor:
@@ -81,9 +84,19 @@ def _stacked_forward(self, x: torch.Tensor, *args, adapter_names: list[str], **k
         kwargs.pop(key, None)
     result = self.base_layer(x, *args, **kwargs)
     stack: _Stack = self._raylora_stack
-    index = torch.tensor([stack.slots.get(n, 0) for n in adapter_names], device=x.device)
-    lora = torch.bmm(torch.bmm(x.to(stack.a.dtype), stack.a[index]), stack.b[index])
-    return result + lora.to(result.dtype)
+    blocks = [stack.slots.get(n, -1) for n in adapter_names]  # -1: the base model, no LoRA
+    used = sorted(set(blocks) - {-1})
+    if not used:
+        return result
+    r = stack.rank
+    columns = torch.cat([torch.arange(k * r, (k + 1) * r) for k in used]) if len(used) < len(stack.slots) else None
+    a, b = (stack.a, stack.b) if columns is None else (stack.a[:, columns], stack.b[columns])
+    h = x.to(a.dtype) @ a  # (batch, tokens, len(used) * rank)
+    if len(used) > 1 or -1 in blocks:  # rows differ: each keeps only its own adapter's block
+        own = torch.tensor([used.index(k) if k >= 0 else -1 for k in blocks], device=x.device)
+        block = torch.arange(len(used), device=x.device).repeat_interleave(r)
+        h = h * (own[:, None] == block[None, :]).to(h.dtype)[:, None, :]
+    return result + (h @ b).to(result.dtype)
 
 
 def mixed_batch_reference(model: nn.Module, input_ids: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
