@@ -29,6 +29,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 from transformers import DynamicCache
 
+from raylora.kv_slots import Slots
 from raylora.prefix_cache import PrefixCache
 
 T = TypeVar("T")
@@ -181,8 +182,7 @@ class Engine:
         self._calls: list[tuple[Callable, Future]] = []
         self._prefilling: list[_Seq] = []  # admitted, prompt not yet (wholly) in a cache; touched by the engine only
         self._running: list[_Seq] = []
-        self._cache = None
-        self._mask: torch.Tensor | None = None  # (batch, cache length), 1 = real token
+        self._cache: Slots | None = None  # the running sequences' keys and values, row i for self._running[i]
         self._next: torch.Tensor | None = None  # (batch, 1) the token each sequence feeds next
         self._stopping = False
         self.threads = threads
@@ -273,7 +273,7 @@ class Engine:
             with self._cv:
                 self._prefilling = [s for s in self._prefilling if not s.failed]
             if any(s.failed for s in self._running):
-                self._running, self._cache, self._mask, self._next = [], None, None, None
+                self._running, self._cache, self._next = [], None, None
 
     def _chunk_tokens(self) -> int:
         """The most tokens of one prompt prefilled in a turn: ``max_prefill_tokens`` while sequences decode (it delays
@@ -359,24 +359,45 @@ class Engine:
             self.prefix_cache.store(seq.req.adapter, seq.req.prompt_ids, cache, row, start)
 
     def _join(self, seqs: list[_Seq], logits: torch.Tensor, cache, mask: torch.Tensor) -> None:
-        """Sample the first token of freshly prefilled ``seqs`` and add the unfinished ones to the running batch."""
+        """Sample the first token of freshly prefilled ``seqs``; the unfinished ones join the running batch, their keys
+        and values copied from ``cache``, where row ``i`` holds ``seqs[i]``'s prompt in its last columns (``mask``'s
+        width)."""
         tokens = self._sample(logits, seqs)
-        seqs, cache, mask, tokens = self._keep_unfinished(seqs, cache, mask, tokens)
-        if not seqs:
+        keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+        width = mask.shape[1]
+        joined = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens[:, 0].tolist(), strict=True)):
+            if seq.cancelled or self._advance(seq, token):
+                continue
+            if self._cache is None:
+                self._cache = Slots()
+            n = len(seq.req.prompt_ids)
+            self._cache.add(keys, values, i, width - n, n)
+            self._running.append(seq)
+            joined.append(i)
+        if not joined:
             return
-        if self._running:
-            cache, mask = _merge(self._cache, self._mask, cache, mask)
-            tokens = torch.cat([self._next, tokens])
-        self._running += seqs
+        tokens = tokens[joined]
+        self._next = tokens if self._next is None else torch.cat([self._next, tokens])
         self.max_running = max(self.max_running, len(self._running))
-        self._cache, self._mask, self._next = cache, mask, tokens
 
     def _step(self) -> None:
-        positions = self._mask.sum(1, keepdim=True)
-        mask = torch.cat([self._mask, torch.ones_like(self._next)], dim=1)
-        logits, cache = self._forward(self._next, mask, positions, self._running, self._cache)
-        tokens = self._sample(logits, self._running)
-        self._running, self._cache, self._mask, self._next = self._keep_unfinished(self._running, cache, mask, tokens)
+        """One decode step of every running sequence; the finished and cancelled ones leave the batch."""
+        mask, positions = self._cache.step()
+        logits, _ = self._forward(self._next, mask, positions, self._running, self._cache)
+        self._cache.stepped()
+        self._next = tokens = self._sample(logits, self._running)
+        ended = [i for i, (s, t) in enumerate(zip(self._running, tokens[:, 0].tolist(), strict=True))
+                 if s.cancelled or self._advance(s, t)]  # fmt: skip
+        for i in reversed(ended):  # the last row takes the place of a leaving one: the rows after i are unfinished
+            last = len(self._running) - 1
+            self._cache.remove(i)
+            self._running[i] = self._running[last]
+            self._running.pop()
+            self._next[i] = self._next[last]
+            self._next = self._next[:last]
+        if not self._running:
+            self._cache, self._next = None, None
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """Next token per row of ``logits`` (batch, vocab) as (batch, 1): greedy at temperature 0, else top-p; a
@@ -389,25 +410,6 @@ class Engine:
             if s.req.temperature > 0:
                 tokens[i] = _top_p_sample(logits[i] / s.req.temperature, s.req.top_p, s.generator)
         return tokens[:, None]
-
-    def _keep_unfinished(self, seqs: list[_Seq], cache, mask: torch.Tensor, tokens: torch.Tensor):
-        """Hand each sequence its new token; drop the finished and cancelled ones from the batch state."""
-        keep = [i for i, (s, t) in enumerate(zip(seqs, tokens[:, 0].tolist(), strict=True))
-                if not (s.cancelled or self._advance(s, t))]  # fmt: skip
-        if len(keep) == len(seqs):
-            return seqs, cache, mask, tokens
-        if not keep:
-            return [], None, None, None
-        index = torch.tensor(keep)
-        cache.batch_select_indices(index)
-        mask, tokens = mask[index], tokens[index]
-        # Columns that are padding in every remaining row are dead weight for attention.
-        first = int((mask.cumsum(1) == 0).sum(1).min())
-        if first:
-            mask = mask[:, first:]
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
-        return [seqs[i] for i in keep], cache, mask, tokens
 
     def _advance(self, seq: _Seq, token: int) -> bool:
         """Record ``token`` for ``seq`` and send the text that is final; returns whether ``seq`` finished."""
@@ -478,36 +480,6 @@ def _top_p_sample(logits: torch.Tensor, top_p: float, generator: torch.Generator
     sorted_probs[outside] = 0
     pick = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
     return int(order[pick])
-
-
-def _merge(cache_a, mask_a: torch.Tensor, cache_b, mask_b: torch.Tensor):
-    """Concatenate two KV caches along the batch, left-padding the shorter one to the other's length.
-
-    Args:
-        cache_a, cache_b: transformers ``DynamicCache`` objects, layer tensors (batch, heads, length, dim).
-        mask_a, mask_b: (batch, length) attention masks of the caches, 1 for a real token.
-    Returns:
-        ``(cache_a, mask)``: ``cache_a`` now holds both batches, ``mask`` is their joint mask.
-    """
-    la, lb = mask_a.shape[1], mask_b.shape[1]
-    width = max(la, lb)
-    for layer_a, layer_b in zip(cache_a.layers, cache_b.layers, strict=True):
-        for name in ("keys", "values"):
-            a, b = _left_pad(getattr(layer_a, name), width), _left_pad(getattr(layer_b, name), width)
-            setattr(layer_a, name, torch.cat([a, b]))
-    mask = torch.cat([_left_pad(mask_a, width), _left_pad(mask_b, width)])
-    return cache_a, mask
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad the sequence dimension of ``t`` on the left to ``width`` (dim -2 for KV tensors, -1 for masks)."""
-    dim = -2 if t.dim() == 4 else -1
-    missing = width - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 def answer_text(tokenizer, ids: list[int]) -> str:

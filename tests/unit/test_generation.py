@@ -8,6 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from raylora import kv_slots
 from raylora.generation import Engine, Event, GenRequest, answer_text, on_passing_thread, wait_for
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
@@ -68,6 +69,36 @@ def test_requests_joining_a_running_batch_get_exactly_their_solo_answers(engine)
     assert [results[i].text for i in range(1, 4)] == expected[1:]
     assert all(results[i].finish_reason == "length" and results[i].completion_tokens == 10 for i in range(1, 4))
     assert engine.max_running >= 2  # they really shared decode steps
+
+
+def test_rows_leaving_in_any_order_and_joining_mid_batch_keep_every_answer_exact(monkeypatch):
+    """Sequences end at different steps (the last row moves into each leaving one's place), others join while they run,
+    and the cache's columns grow past several blocks and shrink back: every answer is still ``generate``'s."""
+    monkeypatch.setattr(kv_slots, "COLUMNS", 4)
+    model = tiny_model("llama").eval()
+    prompts = [*PROMPTS, "one two three four five six seven eight nine ten eleven twelve", "b", "cc dd ee", "q r"]
+    lengths = [20, 5, 12, 3, 7, 15, 2, 9]
+    expected = [_generate(model, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    engine = Engine(model, TOK, max_batch_size=8, batch_wait_s=0)
+    results: dict[int, Event] = {}
+    first_wave = threading.Event()
+
+    def ask(i: int) -> None:
+        if i >= 4:
+            first_wave.wait(30)
+        results[i] = wait_for(engine, GenRequest(_ids(prompts[i]), max_tokens=lengths[i], temperature=0))
+        if i == 3:
+            first_wave.set()  # the shortest of the first wave is done; the others still run
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    engine.stop()
+    assert [results[i].text for i in range(8)] == expected
+    assert [results[i].completion_tokens for i in range(8)] == lengths
+    assert engine.max_running >= 4
 
 
 def test_adapters_mix_in_one_batch(tmp_path):
