@@ -157,3 +157,22 @@ def test_the_demos_cluster_takes_its_dashboard_port_under_the_host_lock(tmp_path
     (cmd,) = started
     chosen = int(next(a for a in cmd if a.startswith("--dashboard-port=")).split("=")[1])
     assert chosen != taken and 8265 <= chosen < 8315
+
+
+def test_the_demos_cluster_processes_are_told_their_own_dashboard_and_the_demo_keeps_its_environment(
+    tmp_path, monkeypatch
+):
+    """Found by a fresh-clone `make demo` beside another Ray instance: the train job's placement-group cleaner failed
+    with "Found multiple active Ray instances" (Ray's state API looks for "the" cluster of the host). The processes
+    `ray start` starts take its environment: it names their dashboard, as `ensure_ray` does for the clusters it starts;
+    the demo's own environment, which later `ray job submit`s use, does not get it."""
+    from raylora import demo
+
+    envs = []
+    monkeypatch.setattr(demo, "run_logged", lambda cmd, log_path, env, log: envs.append((cmd, env)) or "")
+    env = {"KEEP": "1"}
+    cluster = demo.start_cluster(str(tmp_path), env, tmp_path / "log", print)
+    ((cmd, given),) = envs
+    port = next(a for a in cmd if a.startswith("--dashboard-port=")).split("=")[1]
+    assert given["RAY_API_SERVER_ADDRESS"] == f"http://127.0.0.1:{port}" == cluster["dashboard"]
+    assert given["KEEP"] == "1" and env == {"KEEP": "1"}
