@@ -4,7 +4,8 @@
 
 The driver reads the rows once (:func:`training_rows`, the eval set ``raylora eval`` reads: ``eval.sources``, else the
 held-out split) and hands them to the workers; rank 0 answers them (:func:`generation_scores`) between two steps, with
-the model in eval mode and the adapter as it is, while the other ranks wait at the next step's collective.
+the model in eval mode and the adapters as they are, while the other ranks wait at the next step's collective. A
+shared-base group answers for all its members due at once: their rows decode together, each with its own adapter.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ def training_rows(cfg: JobConfig) -> list[dict[str, Any]]:
 
 def generation_scores(
     model, tokenizer, rows: list[dict[str, Any]], cfg: JobConfig,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> dict[str, float]:  # fmt: skip
-    """``model``'s (a peft model: its ``default`` adapter answers) mean ``eval.metrics`` over ``rows``, as
-    ``{"gen_<metric>": value}``; the model is in eval mode while it answers and back in its mode after."""
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, adapters: tuple[str, ...] = ("default",),
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Each of ``adapters``' (of the peft ``model``) mean ``eval.metrics`` over ``rows``, as
+    ``{adapter: {"gen_<metric>": value}}``; the model is in eval mode while it answers and back in its mode after."""
     e = cfg.eval
-    reqs = [eval_request(r["prompt_ids"], "default", e) for r in rows]
+    reqs = [eval_request(r["prompt_ids"], adapter, e) for adapter in adapters for r in rows]
     training = model.training
     model.eval()
     try:
@@ -52,8 +53,9 @@ def generation_scores(
         model.train(training)
     metrics = [m for m in e.metrics if m not in ("reference_loss", "judge")]
     scored = [
-        {"candidate": "adapter", "source": r["source"],
+        {"candidate": adapter, "source": r["source"],
          "scores": score_row(ev.text, r["reference"], r["calls"], r["tools"], r["keys"], ev.completion_tokens, metrics)}
-        for r, ev in zip(rows, events, strict=True)
+        for (adapter, r), ev in zip(((a, r) for a in adapters for r in rows), events, strict=True)
     ]  # fmt: skip
-    return {f"gen_{m}": v for m, v in means(scored, metrics)["adapter"]["metrics"].items()}
+    per = means(scored, metrics)
+    return {a: {f"gen_{m}": v for m, v in per[a]["metrics"].items()} for a in adapters}

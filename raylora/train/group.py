@@ -134,6 +134,8 @@ class Group:
         lanes: the most lanes a step splits its members into, each with its share of the calling thread's
             intra-op threads (default: on CPU as many as those threads, elsewhere 1; 1: every member on the
             calling thread).
+        generate_rows: the eval rows a member's generation eval answers at its ``train.generate_eval_every``
+            (:func:`raylora.eval.in_training.training_rows`); rank 0 answers them, none without.
     """
 
     def __init__(
@@ -145,13 +147,15 @@ class Group:
         world: int = 1,
         local_rank: int = 0,
         lanes: int | None = None,
+        generate_rows: list[dict] | None = None,
     ):
         self.cfg = cfg
         self.backend = resolve_backend(cfg.backend)
         self.device = self.backend.torch_device()
         self.shard, self.eval_rows = shard, eval_rows or []
         self.rank, self.world = rank, world
-        self.base, tokenizer = load_model(cfg.model)
+        self.generate_rows = generate_rows or []
+        self.base, self.tokenizer = load_model(cfg.model)
         self.base.requires_grad_(False).to(self.device)
         use_packed_attention(self.base)
         if cfg.train.recompute_every:
@@ -163,7 +167,7 @@ class Group:
             store_frozen_linears(self.base, self.backend.amp_dtype)
             autocast_outputs(self.base, self.backend.amp_dtype)
         self.head = None  # the frozen head's weight in the autocast dtype, cast at the first chunked loss
-        self.pad_id = tokenizer.pad_token_id
+        self.pad_id = self.tokenizer.pad_token_id
         self.mask_dtype = self.backend.amp_dtype or self.base.dtype
         self.model = None  # the peft model, built when the first member joins
         self.chunked = False
@@ -246,7 +250,7 @@ class Group:
         if not members:
             return []
         results = self._train_step(members)
-        events, due_eval, saving = [], [], set()
+        events, due_eval, due_generate, saving = [], [], [], set()
         for m in members:
             loss, tokens, grad_norm, position = results[m.name]
             event = self._guard(m, loss, grad_norm)
@@ -264,10 +268,14 @@ class Group:
                                       m.tokens_before, self.backend, m.state)  # fmt: skip
             if when.evaluate and self.eval_rows:
                 due_eval.append(m)
+            if when.generate and self.generate_rows and self.rank == 0:
+                due_generate.append(m)
             events.append(Event(m.name, m.state.step, "done" if when.final else "running", report, None))
             if when.save:
                 saving.add(m.name)
         scores = self._evaluate(due_eval) if due_eval else {}
+        for name, generated in (self._generation_scores(due_generate) if due_generate else {}).items():
+            scores.setdefault(name, {}).update(generated)
         for event in events:
             m = self.members[event.member]
             if event.report is None or event.status == "diverged":
@@ -452,6 +460,22 @@ class Group:
         sums = torch.tensor([[sums[m.name], targets] for m in members], dtype=torch.float64, device=self.device)
         scores = eval_scores(sums, self.world, replicated=True)  # every worker evaluated all the eval rows
         return {m.name: score for m, score in zip(members, scores, strict=True) if score}
+
+    def _generation_scores(self, members: list[Member]) -> dict[str, dict[str, float]]:
+        """The generation eval of ``members`` (``train.generate_eval_every``): their rows decode together through the
+        serving engine, each row with its member's adapter (peft's mixed-adapter batch: the grouped forward is set
+        aside while they answer)."""
+        # here, not at the top: the metrics' libraries (nltk, jieba) take 2 s to import, for groups that generate only
+        from raylora.eval.in_training import generation_scores
+
+        for layer in self.model.modules():
+            if isinstance(layer, LoraLinear):
+                del layer.forward  # peft's own forward, which reads the rows' adapter names
+        try:
+            return generation_scores(self.model, self.tokenizer, self.generate_rows, self.cfg, self.backend.autocast,
+                                     tuple(m.name for m in members))  # fmt: skip
+        finally:
+            self._wire_layers()
 
     @torch.no_grad()
     def _eval_sums(self, members: list[Member], size: int) -> dict[str, float]:

@@ -45,9 +45,13 @@ class GroupWorker:
             the store file (``<output_dir>/groups/group<index>.store``; each worker writes
             ``group<index>.rank<rank>.json`` beside it: host, pid, device, rows, lanes, niceness), the torch.distributed
             backend.
+        generate_rows: the eval rows members answer at their ``train.generate_eval_every`` (none: they do not).
     """
 
-    def __init__(self, job: dict, train, evaluation, index: int, rank: int, world: int, store: str, dist_backend: str):
+    def __init__(
+        self, job: dict, train, evaluation, index: int, rank: int, world: int, store: str, dist_backend: str,
+        generate_rows: list[dict],
+    ):  # fmt: skip
         import torch  # see the note at the top
 
         from raylora.backends import init_process_group  # see the note at the top
@@ -60,7 +64,7 @@ class GroupWorker:
             init_process_group(dist_backend, f"file://{store}", rank, world)
         shard = worker_share(train, rank, world)
         evaluation = read_packs(evaluation).to_pylist() if evaluation is not None else None
-        self.group = Group(cfg, shard, evaluation, rank=rank, world=world)
+        self.group = Group(cfg, shard, evaluation, rank=rank, world=world, generate_rows=generate_rows)
         info = {"group": index, "rank": rank, "world": world, "host": socket.gethostname(), "pid": os.getpid(),
                 "device": str(self.group.device), "rows": shard.num_rows, "lanes": self.group.lanes, "priority": priority}  # fmt: skip
         (Path(store).parent / f"group{index}.rank{rank}.json").write_text(json.dumps(info))
@@ -131,19 +135,21 @@ class GroupWorker:
         return box[0]
 
 
-def start(cfg: JobConfig, data, groups: int):
+def start(cfg: JobConfig, data, groups: int, generate_rows: list[dict]):
     """The sweep's broker, with its groups started: each of ``train.num_workers`` workers, as Ray Train would
     place them (:meth:`raylora.backends.base.Backend.actor_options`).
 
     ``data`` is :func:`raylora.data.pipeline.training_data`'s result; its packs are in Ray's object store, and
-    every group reads them from there."""
+    every group reads them from there. ``generate_rows``: what members answer at their generation evals."""
     broker = ray.remote(num_cpus=0)(Broker).options(name=broker_name(cfg))
-    broker = broker.remote(groups, cfg.tune.trials_per_group, launcher(cfg, data), cfg.train.max_failures)
+    broker = broker.remote(
+        groups, cfg.tune.trials_per_group, launcher(cfg, data, generate_rows), cfg.train.max_failures
+    )
     ray.get(broker.start.remote())
     return broker
 
 
-def launcher(cfg: JobConfig, data):
+def launcher(cfg: JobConfig, data, generate_rows: list[dict]):
     """``launch(index, generation, broker) -> (actors, run refs)``: starts group ``index``'s workers and their
     :meth:`GroupWorker.run`."""
     from raylora.backends import planned_backend  # see the note at the top
@@ -162,7 +168,8 @@ def launcher(cfg: JobConfig, data):
         store.unlink(missing_ok=True)  # torch.distributed's file store must start empty
         actor = ray.remote(**options)(GroupWorker)
         workers = [
-            actor.remote(job, train, evaluation, index, rank, world, str(store), dist_backend) for rank in range(world)
+            actor.remote(job, train, evaluation, index, rank, world, str(store), dist_backend, generate_rows)
+            for rank in range(world)
         ]
         return workers, [w.run.remote(broker, index, generation) for w in workers]
 

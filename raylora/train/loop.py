@@ -201,7 +201,9 @@ def train_worker(config: dict) -> dict:
             # here, not at the top: the metrics' libraries (nltk, jieba) take 2 s to import, for runs that generate only
             from raylora.eval.in_training import generation_scores
 
-            metrics.update(generation_scores(model, tokenizer, config["generate_rows"], cfg, backend.autocast))
+            metrics.update(
+                generation_scores(model, tokenizer, config["generate_rows"], cfg, backend.autocast)["default"]
+            )
         if when.final and not params_finite(p for p in model.parameters() if p.requires_grad):
             return outcome("diverged", state, resumed_from)
         state.history.append({"step": state.step, **metrics})

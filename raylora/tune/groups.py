@@ -72,12 +72,6 @@ def check(cfg: JobConfig) -> None:
     if cfg.train.objective != "sft":
         problems.append(("train.objective", f"{cfg.train.objective}: a group trains supervised fine-tuning only; set "
                          "tune.trials_per_group=1 (each trial its own Ray Train run)"))  # fmt: skip
-    if cfg.tune.generate_at_rungs:
-        problems.append(("tune.generate_at_rungs", "a group does not generate during training; set it to false (the "
-                         "best trial is still chosen on its answers), or tune.trials_per_group=1"))  # fmt: skip
-    elif cfg.train.generate_eval_every:
-        problems.append(("train.generate_eval_every", "a group does not generate during training; set it to 0, or "
-                         "tune.trials_per_group=1 (each trial its own Ray Train run)"))  # fmt: skip
     for value in trial_values(cfg, "lora.use_dora"):
         if value:
             problems.append((problem_key(cfg, "lora.use_dora"), "a trial with lora.use_dora=true: DoRA cannot be grouped; "

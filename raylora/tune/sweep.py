@@ -114,7 +114,7 @@ def sweep(cfg: JobConfig, resume: bool = False, log=print) -> dict[str, Any]:
     if cfg.tune.trials_per_group > 1:
         slots = at_once
         group_count, at_once = groups.plan(cfg, slots)
-        group_broker = group_worker.start(cfg, data, group_count)
+        group_broker = group_worker.start(cfg, data, group_count, generation_rows(cfg))
         callbacks.append(groups.leave_callback(cfg))
         trainable = tune.with_parameters(groups.run_member, job=to_dict(cfg), parent=parent, broker=group_broker)
         layout = f", {group_count} group(s) of up to {cfg.tune.trials_per_group} trials sharing a base"

@@ -79,6 +79,37 @@ def test_each_trial_has_its_mlflow_child_run(swept):
         assert steps == list(range(2, 2 * len(steps) + 1, 2)) and "eval_loss" in child.data.metrics
 
 
+def test_group_members_answer_eval_rows_at_asha_rungs_and_report_their_scores(ray_session, tmp_path):
+    """``tune.generate_at_rungs`` in a shared-base group (issue #37): each member answers a few eval rows at every
+    multiple of ASHA's first rung (the group's rows decode together, each with its member's adapter) and reports
+    ``gen_<metric>`` to Tune, in its history and in its MLflow child run."""
+    cfg = load_config(
+        ROOT / "configs/tiny_sweep_cpu.yaml",
+        [f"train.output_dir={tmp_path}/sweep", f"data.output_dir={tmp_path}/data", "tracking.enabled=true",
+         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=gen", "tune.space={train.lr: {grid: [0.03, 0.01]}}",
+         "tune.search=grid", "tune.num_samples=1", "tune.trials_per_group=2", "train.max_steps=4", "tune.metric=exact_match",
+         "tune.mode=max", "tune.generate_at_rungs=true", "train.generate_eval_rows=2", "eval.max_tokens=8",
+         "eval.metrics=[rouge-l]"],
+    )  # fmt: skip
+    result = sweep(cfg, log=lambda s: None)
+    assert [r["status"] for r in result["trials"]] == ["completed", "completed"]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for row in result["trials"]:
+        assert json.loads((Path(row["dir"]) / "group.json").read_text())["group"] == 0
+        reported = [json.loads(line) for line in next((tmp_path / "sweep" / "tune").glob(f"*{row['trial']}*"))
+                    .joinpath("result.json").read_text().splitlines()]  # fmt: skip
+        assert [(r["step"], "gen_exact_match" in r, "gen_rouge-l" in r) for r in reported] == [
+            (2, True, True),
+            (4, True, True),
+        ]
+        assert all(0.0 <= r["gen_rouge-l"] <= 1.0 for r in reported)
+        history = json.loads((Path(row["dir"]) / "history.json").read_text())
+        assert [h["step"] for h in history if "gen_exact_match" in h] == [2, 4]
+        (child,) = client.search_runs([client.get_experiment_by_name("gen").experiment_id],
+                                      f"tags.raylora.trial = '{row['trial']}'")  # fmt: skip
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "gen_rouge-l")] == [2, 4]
+
+
 def test_a_killed_grouped_sweep_resumes_without_rerunning_finished_trials(tmp_path, session_address):
     """Two trials share a group (on both cores, so in two lanes) and finish; the driver is killed while the third
     trains; ``--resume`` restores the sweep with Tune: the finished two are not rerun (their join records are

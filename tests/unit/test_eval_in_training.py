@@ -31,7 +31,7 @@ def test_the_trained_adapter_answers_as_generate_does_and_is_scored_as_eval_scor
     cfg = load_config(None, ["model.name_or_path=tiny-llama", "eval.max_tokens=12",
                              "eval.metrics=[exact_match, contains, rouge-l, bleu-4, length, reference_loss]"])  # fmt: skip
     rows = _rows(tok)
-    scores = generation_scores(model, tok, rows, cfg, backend.autocast)
+    scores = generation_scores(model, tok, rows, cfg, backend.autocast)["default"]
     assert model.training  # back to training after answering
 
     model.eval()

@@ -14,13 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import PeftModel
+from peft.tuners.lora import Linear as LoraLinear
 from ranks import run_two_ranks
 
 import raylora.ops.dropout
 from raylora.backends import resolve_backend
 from raylora.config import from_dict
 from raylora.data.packs import PackShard
-from raylora.models import attach_lora, tiny_model
+from raylora.eval.in_training import generation_scores
+from raylora.models import attach_lora, tiny_model, tiny_tokenizer
 from raylora.train.checkpoint import TrainState
 from raylora.train.group import Group
 from raylora.train.lm import training_model
@@ -251,6 +253,38 @@ def test_each_member_saves_a_plain_peft_adapter(grouped, tmp_path):
     }  # fmt: skip
     assert all(torch.equal(loaded.state_dict()[k.replace("lora_A.", "lora_A.default.").replace("lora_B.", "lora_B.default.")], v)
                for k, v in _weights(group.model, "mb").items())  # fmt: skip
+
+
+def test_members_due_a_generation_eval_answer_together_each_as_its_adapter_alone(tmp_path):
+    tok = tiny_tokenizer()
+    rows = [
+        {"prompt_ids": tok(q, add_special_tokens=False).input_ids, "reference": ref, "calls": None, "tools": None,
+         "keys": [ref.split()[0]], "source": "a.json"}
+        for q, ref in [("Say hi.", "hi there"), ("Name a colour.", "blue"), ("Count to three.", "one two three")]
+    ]  # fmt: skip
+    metrics = ["exact_match", "contains", "rouge-l", "length"]
+    cfg = from_dict({**BASE, "eval": {"max_tokens": 8, "metrics": metrics}})
+    group = Group(cfg, _shard(_rows()), None, lanes=1, generate_rows=rows)
+    group.join("ma", _cfg("ma", log_every=1, generate_eval_every=2))
+    group.join("md", _cfg("md", log_every=1, generate_eval_every=2))
+    group.join("mb", _cfg("mb", log_every=1))
+    reports: dict[str, list[dict]] = {}
+    for _ in range(4):
+        for event in group.step():
+            reports.setdefault(event.member, []).append(event.report)
+    gen = {f"gen_{m}" for m in metrics}
+    for name in ("ma", "md"):
+        assert [sorted(gen & r.keys()) for r in reports[name]] == [[], sorted(gen), [], sorted(gen)], name
+    assert not any(gen & r.keys() for r in reports["mb"])  # not due: it does not generate
+    assert all(isinstance(layer.__dict__.get("forward"), type(group.step)) for layer in group.model.modules()
+               if isinstance(layer, LoraLinear))  # the grouped forward is back  # fmt: skip
+    alone_losses, _ = _alone(_cfg("ma"), _rows(), 4)
+    assert [r["loss"] for r in reports["ma"]] == pytest.approx(alone_losses, rel=1e-5)  # answering changed no number
+    for name in ("ma", "md"):
+        group.save_adapter(name, tmp_path / name)
+        alone = PeftModel.from_pretrained(tiny_model("llama"), tmp_path / name).eval()
+        expected = generation_scores(alone, tok, rows, cfg)["default"]
+        assert {k: reports[name][-1][k] for k in gen} == expected, name
 
 
 def test_a_member_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
