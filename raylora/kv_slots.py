@@ -28,6 +28,7 @@ class Slots:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []
+        self._rows: torch.Tensor | None = None  # 0 .. rows - 1, on the cache's device
         self._at: torch.Tensor | None = None  # the column each row writes in the step in flight
         self._width = 0
 
@@ -59,9 +60,10 @@ class Slots:
         at = torch.tensor(self.lengths)
         self._width = max(self.lengths) + 1
         self._reserve(len(self.lengths), self._width, self.keys[0], len(self.keys))
-        self._at = at
+        device = self.keys[0].device
+        self._rows, self._at = torch.arange(len(self.lengths), device=device), at.to(device)  # every layer writes there
         mask = torch.arange(self._width)[None, :] <= at[:, None]
-        return mask[:, None, None, :].to(self.keys[0].device), at[:, None]
+        return mask[:, None, None, :].to(device), at[:, None]
 
     def stepped(self) -> None:
         """The decode step is done: every row holds one token more."""
@@ -71,9 +73,8 @@ class Slots:
         """What an attention layer calls: write the step's (rows, kv heads, 1, head dim) keys and values at each row's
         column; returns every row's keys and values so far (views, no copy)."""
         n = keys.shape[0]
-        rows, at = torch.arange(n, device=keys.device), self._at.to(keys.device)
-        self.keys[layer][rows, :, at] = keys[:, :, 0]
-        self.values[layer][rows, :, at] = values[:, :, 0]
+        self.keys[layer][self._rows, :, self._at] = keys[:, :, 0]
+        self.values[layer][self._rows, :, self._at] = values[:, :, 0]
         return self.keys[layer][:n, :, : self._width], self.values[layer][:n, :, : self._width]
 
     def _reserve(self, rows: int, columns: int, like: torch.Tensor, layers: int) -> None:

@@ -29,6 +29,15 @@ def _generate(model, text: str, n: int) -> str:
     return answer_text(TOK, out[0, len(ids) :].tolist())
 
 
+def _in_threads(ask, n: int) -> None:
+    """``ask(0)`` .. ``ask(n - 1)`` at once, each on its own thread; returns when all have."""
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 @pytest.fixture
 def engine():
     e = Engine(tiny_model("llama").eval(), TOK, max_batch_size=8, batch_wait_s=0)
@@ -90,11 +99,7 @@ def test_rows_leaving_in_any_order_and_joining_mid_batch_keep_every_answer_exact
         if i == 3:
             first_wave.set()  # the shortest of the first wave is done; the others still run
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _in_threads(ask, 8)
     engine.stop()
     assert [results[i].text for i in range(8)] == expected
     assert [results[i].completion_tokens for i in range(8)] == lengths
@@ -115,11 +120,7 @@ def test_adapters_mix_in_one_batch(tmp_path):
     def ask(i: int) -> None:
         results[i] = wait_for(engine, GenRequest(_ids(jobs[i][1]), jobs[i][0], max_tokens=10, temperature=0))
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _in_threads(ask, 4)
     engine.stop()
     assert [results[i].text for i in range(4)] == expected
     assert len(set(expected)) == 4 and engine.max_running == 4
