@@ -30,6 +30,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import DynamicCache
 
 from raylora.kv_slots import Slots
+from raylora.ops import engine_attention
 from raylora.prefix_cache import PrefixCache
 
 T = TypeVar("T")
@@ -302,12 +303,15 @@ class Engine:
         """Whether what is left of ``seq``'s prompt is prefilled in chunks."""
         return len(seq.req.prompt_ids) - seq.prefilled > self._chunk_tokens()
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache):
-        kwargs = {}
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache,
+                 prefill_rows: list[tuple[int, int]] | None = None):  # fmt: skip
+        """The model's logits at each row's last column, and its cache; ``prefill_rows``: each row's ``(keys, queries)``
+        in a prefill (:func:`~raylora.ops.engine_attention.engine_attention`)."""
+        kwargs = {} if prefill_rows is None else {"prefill_rows": prefill_rows}
         if hasattr(self.model, "peft_config"):
             kwargs["adapter_names"] = [s.req.adapter or BASE for s in seqs]
         device = self.model.device
-        with self.autocast():
+        with self.autocast(), engine_attention.selected(self.model):
             out = self.model(
                 input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                 cache=cache, use_cache=True, logits_to_keep=1, **kwargs,
@@ -322,7 +326,9 @@ class Engine:
             end = min(len(seq.req.prompt_ids), start + self._chunk_tokens())
             ids = torch.tensor([seq.req.prompt_ids[start:end]])
             mask = torch.ones((1, end), dtype=torch.long)
-            logits, seq.cache = self._forward(ids, mask, torch.arange(start, end)[None], seqs, seq.cache)
+            logits, seq.cache = self._forward(
+                ids, mask, torch.arange(start, end)[None], seqs, seq.cache, [(end, end - start)]
+            )
             seq.prefilled = end
             if end < len(seq.req.prompt_ids):
                 return
@@ -343,8 +349,10 @@ class Engine:
                 ids[i, query - (n - kept[i]) :] = torch.tensor(s.req.prompt_ids[kept[i] :])
                 mask[i, width - n :] = 1
             positions = (mask.cumsum(1) - 1).clamp(min=0)[:, past:]
+            # a row's keys are the last len(prompt) columns, its queries the last len(prompt) - kept
+            rows = [(len(s.req.prompt_ids), len(s.req.prompt_ids) - k) for s, k in zip(seqs, kept, strict=True)]
             logits, cache = self._forward(
-                ids, mask, positions, seqs, _stacked(seqs, kept, past, self.model.config) if past else None
+                ids, mask, positions, seqs, _stacked(seqs, kept, past, self.model.config) if past else None, rows
             )
             for i, s in enumerate(seqs):
                 s.cache = None

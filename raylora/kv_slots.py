@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from raylora.ops.engine_attention import BLOCK
+
 ROWS, COLUMNS = 8, 64  # growth steps
 
 
@@ -56,9 +58,10 @@ class Slots:
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a decode step of every row: returns its attention mask (rows, 1, 1, columns), True where a row's
-        own tokens (and the one it writes now) are, and each row's position (rows, 1)."""
+        own tokens (and the one it writes now) are, and each row's position (rows, 1); the columns are whole blocks of
+        :data:`~raylora.ops.engine_attention.BLOCK`."""
         at = torch.tensor(self.lengths)
-        self._width = max(self.lengths) + 1
+        self._width = _ceil(max(self.lengths) + 1, BLOCK)  # whole blocks: the engine's attention reads them so
         self._reserve(len(self.lengths), self._width, self.keys[0], len(self.keys))
         device = self.keys[0].device
         self._rows, self._at = torch.arange(len(self.lengths), device=device), at.to(device)  # every layer writes there

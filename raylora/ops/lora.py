@@ -8,6 +8,12 @@ batch multiplies by the blocks of the adapters it uses, zeroes in each row the b
 multiplies by their ``lora_B`` blocks. Gathering each row's own factors instead (two ``bmm`` of (rows, in, rank)
 copies) cost 29% of a 64-row mixed-adapter decode of SmolLM2 W8A8 on 2 cores.
 
+On CPU the two matmuls run in float64 and their sum is rounded once to the layer's dtype: a float32 matmul's sums follow
+the batch's shape (MKL takes other kernels for 1-3 rows than for 4 or more, and for other widths), so a row's
+LoRA output changed in its last bits with the rows beside it and a W8A8 base could answer otherwise; in float64 those
+differences stay far below float32's rounding (0 of 161,280 outputs differed across batch shapes, against most in
+float32), so a row's result is its own (:mod:`raylora.ops.engine_attention`).
+
 Only plain LoRA on ``nn.Linear`` is stacked; a layer holding DoRA, a LoRA bias or int4-stored factors keeps
 peft's own path.
 """
@@ -29,8 +35,8 @@ BASE = "__base__"
 class _Stack:
     slots: dict[str, int]  # adapter name -> its block in a and b, from 0
     rank: int  # columns of a block: the largest rank, smaller ones zero-padded
-    a: torch.Tensor  # (in_features, adapters * rank): lora_A transposed, one column block per adapter
-    b: torch.Tensor  # (adapters * rank, out_features): lora_B transposed, times the adapter's scaling
+    a: torch.Tensor  # (in_features, adapters * rank), float64 on CPU: lora_A transposed, one column block per adapter
+    b: torch.Tensor  # (adapters * rank, out_features), float64 on CPU: lora_B transposed, times the adapter's scaling
 
 
 def stack_adapters(model: nn.Module) -> int:
@@ -69,8 +75,11 @@ def plain_lora(layer, names: list[str]) -> bool:
 def _build(layer, names: list[str]) -> _Stack:
     rank = max(layer.lora_A[n].weight.shape[0] for n in names)
     ref = layer.lora_A[names[0]].weight
-    a = ref.new_zeros(layer.in_features, len(names) * rank)
-    b = ref.new_zeros(len(names) * rank, layer.out_features)
+    # float64 on CPU (module docs); elsewhere the factors' dtype: GPUs run float64 matmuls at a fraction of float32's
+    # speed, and Ascend's cube units have none
+    dtype = torch.float64 if ref.device.type == "cpu" else ref.dtype
+    a = ref.new_zeros(layer.in_features, len(names) * rank, dtype=dtype)
+    b = ref.new_zeros(len(names) * rank, layer.out_features, dtype=dtype)
     for i, n in enumerate(names):
         wa, wb = layer.lora_A[n].weight.detach(), layer.lora_B[n].weight.detach()
         a[:, i * rank : i * rank + wa.shape[0]] = wa.T
