@@ -10,13 +10,14 @@ into other int8 activations, so a greedy answer could differ between `raylora ev
   padded to whole blocks of :data:`BLOCK` columns (the engine's cache hands them so, :mod:`raylora.kv_slots`):
   a row's sums then run over the same columns in the same order whatever the batch (none of 320 such cases differ;
   unpadded, a quarter did);
-- a prefill computes each prompt on its own: its queries over its own keys (``prefill_rows``), shaped exactly as if
-  it were alone.
+- a prefill computes each prompt on its own: its queries over its own keys (``prefill_rows``), tiled from its first
+  position, shaped exactly as if it were alone.
 
-The int8 linears are exact and per token; the LoRA op accumulates in float64 (:mod:`raylora.ops.lora`). So a greedy
-answer is the same alone or in any batch, for prompts prefilled whole (not cut into chunks of
-``max_prefill_tokens``, not started from the prefix cache) on the same number of threads
-(``tests/unit/test_engine_attention.py``).
+On a W8A8 base the linears are exact and per token (a float base's own matmuls still vary with the batch's shape),
+and the LoRA op sums in float64 on CPU (:mod:`raylora.ops.lora`). So on a W8A8 base on CPU a greedy answer is the same
+alone or in any batch, for prompts prefilled whole (not cut into chunks of ``max_prefill_tokens``, not started from
+the prefix cache), plain LoRA adapters, and the same number of threads (``tests/unit/test_engine_attention.py``).
+Models with sliding windows or logit soft-capping keep their own attention (:func:`plain`).
 
 The function is registered with transformers' ``AttentionInterface`` under :data:`NAME`; the engine selects it for
 its own forward passes only (:func:`selected`), so a model that trains between generations keeps its own.
@@ -28,6 +29,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -37,6 +39,7 @@ NAME = "raylora_engine"
 # depended on the batch's width on this machine's 16-float vectors (4: 8 of 320 cases differed); 16, one AVX-512
 # vector, for margin.
 BLOCK = 16
+QUERY_TILE = 256  # a prefill's queries computed at a time (bounds its scores' memory)
 
 
 def _ceil(n: int, step: int) -> int:
@@ -54,25 +57,43 @@ def attend(
         (B, H, Q, D).
     """
     b, h, q, d = query.shape
-    kv = key.shape[1]
-    width = key.shape[2]
-    if width % BLOCK:
+    kv, width = key.shape[1], key.shape[2]
+    if width % BLOCK:  # the cache hands a decode step whole blocks; other callers may not
         extra = _ceil(width, BLOCK) - width
-        key = torch.nn.functional.pad(key, (0, 0, 0, extra))
-        value = torch.nn.functional.pad(value, (0, 0, 0, extra))
-        mask = torch.nn.functional.pad(mask, (0, extra), value=False)
+        key, value = F.pad(key, (0, 0, 0, extra)), F.pad(value, (0, 0, 0, extra))
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], extra)], dim=-1)
         width += extra
     group = h // kv
-    scores = torch.matmul(query.reshape(b, kv, group * q, d), key.transpose(-1, -2)).mul_(scale)
+    # the query scaled first: a float16 product of unscaled queries and keys can overflow
+    scores = torch.matmul((query * scale).reshape(b, kv, group * q, d), key.transpose(-1, -2))
     scores = scores.view(b, kv, group, q, width).masked_fill_(~mask[:, :, None], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).view(b, kv, group * q, width)
     return torch.matmul(probs, value).view(b, h, q, d)
 
 
-def causal(queries: int, keys: int, device: torch.device) -> torch.Tensor:
-    """(1, 1, queries, keys) bool: the queries are the last ``queries`` positions of ``keys``."""
-    positions = torch.arange(keys - queries, keys, device=device)
-    return (torch.arange(keys, device=device)[None, :] <= positions[:, None])[None, None]
+def causal(start: int, end: int, width: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, end - start, width) bool: queries at positions ``start .. end - 1`` see the keys up to their own."""
+    positions = torch.arange(start, end, device=device)
+    return (torch.arange(width, device=device)[None, :] <= positions[:, None])[None, None]
+
+
+def prefill_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """One prompt's causal attention: query (1, H, Q, D) at its last Q positions of key and value (1, H_kv, L, D).
+
+    Queries go :data:`QUERY_TILE` at a time, counted from the prompt's first position (so a prompt is tiled the same
+    whatever the batch), each over the keys up to its last position, in whole blocks: the scores take
+    (H, QUERY_TILE, L) floats, not (H, Q, L)."""
+    length, first = key.shape[2], key.shape[2] - query.shape[2]
+    width = _ceil(length, BLOCK)
+    key, value = F.pad(key, (0, 0, 0, width - length)), F.pad(value, (0, 0, 0, width - length))
+    tiles, start = [], first
+    while start < length:
+        end = min(length, (start // QUERY_TILE + 1) * QUERY_TILE)
+        seen = _ceil(end, BLOCK)
+        tiles.append(attend(query[:, :, start - first : end - first], key[:, :, :seen], value[:, :, :seen],
+                            causal(start, end, seen, query.device), scale))  # fmt: skip
+        start = end
+    return torch.cat(tiles, dim=2)
 
 
 def engine_attention(
@@ -89,20 +110,27 @@ def engine_attention(
     """transformers' attention signature: query (B, H, Q, D), key and value (B, H_kv, L, D); returns (B, Q, H, D).
 
     ``prefill_rows`` (a prefill): per row, ``(keys, queries)``: its keys are the last ``keys`` columns and its
-    queries the last ``queries`` of the batch's; each row is computed alone, causally, and its padding queries give
-    zeros. Without it the mask is read (None: causal).
+    queries the last ``queries`` of the batch's; each row is computed alone (:func:`prefill_row`) and its padding
+    queries give zeros. Without it the mask is read (None: causal).
+
+    Raises:
+        ValueError: the layer asks for what this attention does not compute (:func:`plain` keeps such models away).
     """
+    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
+    if unsupported:
+        raise ValueError(f"the engine's attention computes plain causal attention; this layer asks for {unsupported}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if prefill_rows is None:
-        mask = attention_mask if attention_mask is not None else causal(query.shape[2], key.shape[2], query.device)
+        count, width = query.shape[2], key.shape[2]
+        mask = attention_mask if attention_mask is not None else causal(width - count, width, width, query.device)
         out = attend(query, key, value, mask.bool(), scale)
     else:
         out = query.new_zeros(query.shape)
         width, count = key.shape[2], query.shape[2]
         for i, (keys, queries) in enumerate(prefill_rows):
-            out[i : i + 1, :, count - queries :] = attend(
+            out[i : i + 1, :, count - queries :] = prefill_row(
                 query[i : i + 1, :, count - queries :], key[i : i + 1, :, width - keys :],
-                value[i : i + 1, :, width - keys :], causal(queries, keys, query.device), scale,
+                value[i : i + 1, :, width - keys :], scale,
             )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
@@ -111,13 +139,27 @@ AttentionInterface.register(NAME, engine_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
+def plain(config) -> bool:
+    """Whether a text model's attention is what :func:`engine_attention` computes: causal over every earlier key, no
+    sliding window (Mistral's, Gemma 2/3's, gpt-oss's), no logit soft-capping (Gemma 2)."""
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    layers = getattr(config, "layer_types", None) or ()
+    return not (sliding or getattr(config, "attn_logit_softcapping", None) or "sliding_attention" in layers)
+
+
 @contextlib.contextmanager
 def selected(model: nn.Module) -> Iterator[None]:
-    """Run ``model``'s attention through :func:`engine_attention` within the block (its own choice again after)."""
+    """Run ``model``'s attention through :func:`engine_attention` within the block, its own choice again after; a
+    model whose attention is not :func:`plain` keeps its own (and is not batch-invariant). Only the text model's
+    config changes (a vision tower keeps its own attention)."""
     config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = NAME
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not plain(text):
+        yield
+        return
+    previous = text._attn_implementation_internal
+    text._attn_implementation_internal = NAME
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        text._attn_implementation_internal = previous

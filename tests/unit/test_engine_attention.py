@@ -12,6 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from raylora.generation import Engine, Event, GenRequest, joined, wait_for
 from raylora.model_files import tiny_tokenizer
 from raylora.models import randomise_lora, tiny_model
+from raylora.ops import engine_attention
 from raylora.ops.engine_attention import attend, causal
 from raylora.ops.engine_attention import engine_attention as attention
 from raylora.ops.int8 import quantize_model
@@ -45,10 +46,36 @@ def test_decode_and_prefill_rows_give_sdpas_results():
         torch.randn(2, KV, 9, DIM, generator=g),
     )
     out, _ = attention(None, q, k, v, None, scaling=DIM**-0.5, prefill_rows=[(9, 9), (5, 2)])
-    torch.testing.assert_close(out[0], _sdpa(q[:1], k[:1], v[:1], causal(9, 9, q.device))[0].transpose(0, 1))
-    alone = _sdpa(q[1:, :, 7:], k[1:, :, 4:], v[1:, :, 4:], causal(2, 5, q.device))[0].transpose(0, 1)
+    torch.testing.assert_close(out[0], _sdpa(q[:1], k[:1], v[:1], causal(0, 9, 9, q.device))[0].transpose(0, 1))
+    alone = _sdpa(q[1:, :, 7:], k[1:, :, 4:], v[1:, :, 4:], causal(3, 5, 5, q.device))[0].transpose(0, 1)
     torch.testing.assert_close(out[1, 7:], alone)
     assert not out[1, :7].any()  # padding queries
+
+    # a prompt longer than a query tile, 40 of its 300 positions cached: tiled from its first position
+    q, k, v = (torch.randn(1, h, n, DIM, generator=g) for h, n in ((HEADS, 260), (KV, 300), (KV, 300)))
+    out, _ = attention(None, q, k, v, None, scaling=DIM**-0.5, prefill_rows=[(300, 260)])
+    torch.testing.assert_close(out[0], _sdpa(q, k, v, causal(40, 300, 300, q.device))[0].transpose(0, 1))
+
+
+def test_models_with_sliding_windows_or_soft_capping_keep_their_own_attention():
+    model = tiny_model("llama")
+    own = model.config._attn_implementation
+    with engine_attention.selected(model):
+        assert model.config._attn_implementation == engine_attention.NAME
+    assert model.config._attn_implementation == own
+    for key, value in (
+        ("sliding_window", 64),
+        ("attn_logit_softcapping", 50.0),
+        ("layer_types", ["sliding_attention"]),
+    ):
+        model = tiny_model("llama")
+        setattr(model.config, key, value)
+        with engine_attention.selected(model):
+            assert model.config._attn_implementation == own, key
+    model.config.use_sliding_window = False  # Qwen2's configs name a window they do not use
+    model.config.layer_types, model.config.sliding_window = None, 64
+    with engine_attention.selected(model):
+        assert model.config._attn_implementation == engine_attention.NAME
 
 
 def test_a_decode_row_is_bitwise_the_same_alone_and_among_rows_of_other_lengths():

@@ -42,7 +42,9 @@ def test_eval_answers_equal_the_servers_on_a_w8a8_base(tmp_path, monkeypatch):
         "model": {"name_or_path": "tiny-llama"},
         "data": {"sources": [{"path": "data/raylora_identity.jsonl"}]},
         "serve": {"quantization": "w8a8-smoothquant", "adapter_root": str(root), "max_adapters": 1, "cpus_per_replica": 2,
-                  "max_batch_size": 16},
+                  "max_batch_size": 16,
+                  # the guarantee's conditions: every prompt prefilled whole, no prefix-cache hit (docs/serving.md)
+                  "max_prefill_tokens": 512, "prefix_cache_mb": 0},
         "eval": {"max_tokens": 24, "max_batch_size": 16, "cpus_per_actor": 2, "metrics": ["exact_match", "rouge-l"]},
         "backend": {"device": "cpu"},
         "tracking": {"enabled": False},
