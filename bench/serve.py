@@ -179,7 +179,7 @@ def run_ours(cfg, clients: int, n: int, model=None, after=None, extra: dict | No
     import ray
     from ray import serve
 
-    from raylora.serve.app import served_name
+    from raylora.serve.ingress import served_name
     from raylora.serve.launch import APP_NAME, start
 
     url = start(cfg)
@@ -377,7 +377,7 @@ def prefill_run(chunk: int | None, clients: int, long_tokens: int = 4000) -> dic
 
     from raylora.config import ModelArgs
     from raylora.model_files import load_tokenizer
-    from raylora.serve.app import served_name
+    from raylora.serve.ingress import served_name
     from raylora.serve.launch import APP_NAME, start
 
     cfg = _config("float32", clients + 1)
@@ -500,7 +500,7 @@ def prefix_run(dtype: str, clients: int, n: int, cache_mb: float) -> dict:
     from ray import serve
 
     from raylora.config import from_dict, to_dict
-    from raylora.serve.app import served_name
+    from raylora.serve.ingress import served_name
     from raylora.serve.launch import APP_NAME, start
 
     cfg = to_dict(_config(dtype, 16))
@@ -521,7 +521,7 @@ def versus_llama_cpp(clients: int, n: int, quantization: str) -> dict:
     batch-1 decode. Memory: ours the whole Ray cluster and the replica process apart; llama.cpp its one process."""
     from llama_cpp import Server, binaries, ggufs
 
-    from raylora.serve.app import served_name
+    from raylora.serve.ingress import served_name
 
     bin_dir = binaries()
     if bin_dir is None:

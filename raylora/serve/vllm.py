@@ -42,7 +42,7 @@ from raylora.config import HF_ENGINE_KEYS, JobConfig, ServeArgs
 from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
 from raylora.registry import AdapterError
 from raylora.serve.adapters import local_adapter
-from raylora.serve.app import resolve_keys, served_name
+from raylora.serve.ingress import resolve_keys, served_name
 
 # The schemes Ray 2.60's LoraConfig accepts for dynamic_lora_loading_path (ray.llm cloud_utils.is_remote_path).
 REMOTE_SCHEMES = ("s3://", "gs://", "abfss://", "azure://")
@@ -121,7 +121,7 @@ def vllm_llm_config(cfg: JobConfig, backend: Backend) -> dict[str, Any]:
         cfg: the job.
         backend: a CUDA or NPU backend (see :func:`check_vllm_config`).
     Returns:
-        ``model_loading_config`` (id :func:`~raylora.serve.app.served_name`, source the absolute local
+        ``model_loading_config`` (id :func:`~raylora.serve.ingress.served_name`, source the absolute local
         Hugging Face folder of the base model), ``engine_kwargs`` (dtype, context length, batch size,
         LoRA slots and rank, default generation length), ``lora_config``, ``deployment_config``
         (``serve.replicas``, the replica's resources) and the placement of the engine. With a local

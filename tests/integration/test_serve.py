@@ -1,5 +1,6 @@
 """The Serve application end to end on a tiny model: real Ray Serve, real HTTP, the real openai client."""
 
+import contextlib
 import json
 import os
 import random
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import mlflow
 import openai
+import psutil
 import pytest
 import ray
 import requests
@@ -113,6 +115,18 @@ def test_health_needs_no_key_and_models_list_base_and_adapters(server, client):
     assert requests.get(server["url"] + "/health", timeout=30).json() == {"status": "ok"}
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == "tiny-llama" and {"alpha", "beta", "gamma"} <= set(ids)
+
+
+def test_the_ingress_replica_holds_no_model_stack(server):
+    """Found by measuring: the ingress replica imported its module, which imported the model deployment's, so an HTTP
+    router held torch, transformers and peft (563 MB, 5.5 s of CPU to start)."""
+    replicas = {}
+    for p in psutil.Process().children(recursive=True):  # this process started the cluster: its workers are below
+        with contextlib.suppress(psutil.Error):
+            title = " ".join(p.cmdline())
+            replicas |= {name: p.pid for name in ("Ingress", "LLMServer") if f"ServeReplica:{APP_NAME}:{name}" in title}
+    maps = {name: Path(f"/proc/{pid}/maps").read_text() for name, pid in replicas.items()}
+    assert "libtorch_cpu" in maps["LLMServer"] and "libtorch_cpu" not in maps["Ingress"]
 
 
 def test_openai_client_chat_equals_local_generation_for_base_and_adapters(server, client):
