@@ -48,12 +48,12 @@ def root() -> Path:
 # one long file kept a process busy minutes after the other had finished.
 LONGEST_FIRST = (
     "integration/test_train.py",
-    "integration/test_tune.py",
     "integration/test_demo.py",
     "integration/test_tune_shared.py",
-    "integration/test_train_cluster.py",
     "integration/test_preference.py",
     "integration/test_serve.py",
+    "integration/test_tune.py",
+    "integration/test_train_cluster.py",
     "integration/test_cluster_address.py",
     "integration/test_smollm2.py",
     "integration/test_prepare.py",

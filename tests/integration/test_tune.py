@@ -1,5 +1,7 @@
-"""Ray Tune sweeps: real Ray Train trials on a tiny Llama, ASHA, MLflow parent and children, resume."""
+"""Ray Tune sweeps: real Ray Train trials on a tiny Llama, ASHA, MLflow parent and children, a sweep stopped by a
+signal and resumed."""
 
+import csv
 import json
 import os
 import signal
@@ -10,6 +12,8 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import ray
+import yaml
 from peft import PeftModel
 
 from raylora.config import load_config
@@ -17,10 +21,11 @@ from raylora.models import tiny_model
 from raylora.tune.sweep import sweep
 
 ROOT = Path(__file__).resolve().parents[2]
-# Two good learning rates first, then one that barely moves the loss: with two trials at a time, the slow one starts
-# once a good one has finished, and ASHA stops it at its first rung against the good ones' results there (a lone
-# trial costs about 35 s of CPU, so the sweep has no fourth).
-GRID = "tune.space={train.lr: {grid: [0.03, 0.01, 1.0e-7]}, lora.rank: {choice: [4]}}"
+# The weaker good rate first, then the better one, then one that barely moves the loss, one trial at a time: the
+# first has nothing to meet at ASHA's rungs and completes, the second beats it there (eval loss 5.04 against 5.47 at
+# step 2), and the slow one meets both and is stopped at its first rung. A lone trial costs about 35 s of CPU, so the
+# sweep has no fourth, and it is also the one that is stopped by a signal and resumed: it costs a sweep of its own.
+GRID = "tune.space={train.lr: {grid: [0.01, 0.03, 1.0e-7]}, lora.rank: {choice: [4]}}"
 
 
 def overrides(tmp, *more):
@@ -32,21 +37,68 @@ def overrides(tmp, *more):
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, ray_session):
+    """``raylora tune`` stopped by SIGTERM (as schedulers stop jobs) while the second trial trains, then ``--resume``d.
+
+    Found by use: a stopped sweep (SIGINT) marked its running trials 'stopped early' (ASHA's label) and closed
+    their MLflow runs; with SIGTERM it left every run RUNNING and wrote no results. (A sweep killed outright resumes
+    too: test_tune_shared.py.)"""
     tmp = tmp_path_factory.mktemp("tune")
-    cfg = load_config(
-        ROOT / "configs/tiny_sweep_cpu.yaml", overrides(tmp, GRID, "tune.search=grid", "tune.num_samples=1")
-    )
-    return tmp, sweep(cfg, log=lambda s: None)
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
+           *overrides(tmp, GRID, "tune.search=grid", "tune.num_samples=1", "tune.max_concurrent=1")]  # fmt: skip
+    with open(tmp / "driver.err", "w") as err:
+        driver = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+    trials = tmp / "sweep" / "trials"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and len(list(trials.glob("*/workers/rank0.json"))) < 2:
+            time.sleep(0.2)  # the second trial starts once the first has finished
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=180)
+        first = min(trials.iterdir(), key=lambda p: p.stat().st_mtime)
+        stopped = {
+            "returncode": driver.returncode,
+            "said": (tmp / "driver.err").read_text(),
+            "results": (tmp / "sweep" / "results.csv").exists(),
+            "parent": json.loads((tmp / "sweep" / "sweep.json").read_text())["parent_run_id"],
+            "first": first,
+            "finished_pid": json.loads((first / "workers" / "rank0.json").read_text())["pid"],
+        }
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    stopped["parent_status"] = mlflow.MlflowClient(f"sqlite:///{tmp}/mlflow.db").get_run(stopped["parent"]).info.status
+    resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = list(csv.DictReader((tmp / "sweep" / "results.csv").open()))
+    return tmp, stopped, rows
+
+
+def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finished_trials(swept):
+    """Stopped while the second trial trains, the sweep says how to resume, labels no trial and marks its parent run
+    KILLED; ``--resume`` does not rerun the finished first trial and runs the others to their end."""
+    tmp, stopped, rows = swept
+    said = stopped["said"]
+    assert stopped["returncode"] == 1 and "stopped by a signal" in said and "--resume" in said, said[-3000:]
+    assert not stopped["results"]  # no trial labelled before the sweep ends
+    assert stopped["parent_status"] == "KILLED"
+    first = stopped["first"]
+    assert json.loads((first / "workers" / "rank0.json").read_text())["pid"] == stopped["finished_pid"]  # not rerun
+    assert [(r["trial"], r["status"], r["steps"]) for r in rows][:2] == [
+        (first.name, "completed", "8"),
+        (rows[1]["trial"], "completed", "8"),
+    ]
+    assert (tmp / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_asha_stops_a_slow_trial_and_the_best_adapter_is_copied_and_loads(swept):
-    tmp, result = swept
-    statuses = {r["train.lr"]: r["status"] for r in result["trials"]}
-    # ASHA may also stop the weaker of the two good rates at a rung; the slow one never completes.
+    tmp, _, rows = swept
+    statuses = {float(r["train.lr"]): r["status"] for r in rows}
     assert len(statuses) == 3 and "completed" in statuses.values() and statuses[1e-7] == "stopped early"
-    stopped = [r for r in result["trials"] if r["status"] == "stopped early"]
-    assert all(r["steps"] < 8 for r in stopped)
-    assert result["best"]["config"]["train.lr"] in (0.03, 0.01)
+    assert all(int(r["steps"]) < 8 for r in rows if r["status"] == "stopped early")
+    best = yaml.safe_load((tmp / "sweep" / "best" / "config.yaml").read_text())
+    assert best["train"]["lr"] in (0.03, 0.01)
     adapter = PeftModel.from_pretrained(tiny_model("llama"), tmp / "sweep" / "best" / "adapter")
     assert any(p.abs().sum() > 0 for n, p in adapter.named_parameters() if "lora_B" in n)
     table = (tmp / "sweep" / "results.csv").read_text().splitlines()
@@ -55,63 +107,29 @@ def test_asha_stops_a_slow_trial_and_the_best_adapter_is_copied_and_loads(swept)
 
 
 def test_mlflow_has_one_parent_and_a_child_per_trial_and_the_best_is_registered(swept):
-    tmp, result = swept
+    tmp, stopped, rows = swept
     client = mlflow.MlflowClient(f"sqlite:///{tmp}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("sweeps").experiment_id])
-    parent = client.get_run(result["parent_run_id"])
+    parent = client.get_run(stopped["parent"])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(runs) == 4 and len(children) == 3
-    assert parent.info.status == "FINISHED" and parent.data.params["best.train.lr"] == str(
-        result["best"]["config"]["train.lr"]
-    )
+    assert len(runs) == 1 + len(children)
+    # a trial the signal stopped before its first checkpoint trains again from step 0 under a new child run that
+    # names the one it replaces, closed KILLED
+    labelled = [r for r in children if "raylora.trial_status" in r.data.tags]
+    replaced = {r.data.tags["raylora.replaces_run"] for r in labelled if "raylora.replaces_run" in r.data.tags}
+    assert sorted(r.data.tags["raylora.trial"] for r in labelled) == sorted(r["trial"] for r in rows)
+    assert {r.info.run_id for r in children} - {r.info.run_id for r in labelled} == replaced
+    assert all(client.get_run(run_id).info.status == "KILLED" for run_id in replaced)
+    best = yaml.safe_load((tmp / "sweep" / "best" / "config.yaml").read_text())
+    assert parent.info.status == "FINISHED" and parent.data.params["best.train.lr"] == str(best["train"]["lr"])
     assert {"adapter", "results.csv", "sweep.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
-    by_status = {r.data.tags["raylora.trial_status"]: r.info.status for r in children}
+    by_status = {r.data.tags["raylora.trial_status"]: r.info.status for r in labelled}
     assert by_status["completed"] == "FINISHED" and by_status["stopped early"] == "KILLED"
-    for child in children:
+    for child in labelled:
         assert child.data.params["lora.rank"] == "4" and "eval_loss" in child.data.metrics
         assert [m.step for m in client.get_metric_history(child.info.run_id, "eval_loss")][0] == 2
-    version = client.get_model_version("tiny-best", str(result["registered"][1]))
+    (version,) = client.search_model_versions("name='tiny-best'")
     assert version.tags["raylora.kind"] == "lora-adapter" and version.run_id == parent.info.run_id
-
-
-def test_a_sweep_stopped_by_a_signal_says_so_and_resumes_without_rerunning_finished_trials(tmp_path, session_address):
-    """Found by use: a stopped sweep (SIGINT) marked its running trials 'stopped early' (ASHA's label) and closed
-    their MLflow runs; with SIGTERM, as schedulers stop jobs, it left every run RUNNING and wrote no results.
-
-    Stopped while the second trial trains, the sweep says how to resume, labels no trial and marks its parent run
-    KILLED; ``--resume`` does not rerun the finished first trial and completes the second. (A sweep killed outright
-    resumes too: test_tune_shared.py.)"""
-    env = {**os.environ, "RAY_ADDRESS": session_address}
-    cmd = [sys.executable, "-m", "raylora.cli", "tune", str(ROOT / "configs/tiny_sweep_cpu.yaml"),
-           *overrides(tmp_path, "tune.space={train.lr: {grid: [0.03, 0.01]}}", "tune.search=grid", "tune.num_samples=1",
-                      "tune.max_concurrent=1", "tune.scheduler=none", "train.max_steps=8", "train.eval_every=0")]  # fmt: skip
-    with open(tmp_path / "driver.err", "w") as err:
-        driver = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
-    trials = tmp_path / "sweep" / "trials"
-    deadline = time.time() + 300
-    try:
-        while time.time() < deadline and len(list(trials.glob("*/workers/rank0.json"))) < 2:
-            time.sleep(0.2)  # the second trial starts once the first has finished
-        driver.send_signal(signal.SIGTERM)
-        driver.wait(timeout=180)
-        first = min(trials.iterdir(), key=lambda p: p.stat().st_mtime)
-        finished_pid = json.loads((first / "workers" / "rank0.json").read_text())["pid"]
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-    said = (tmp_path / "driver.err").read_text()
-    assert driver.returncode == 1 and "stopped by a signal" in said and "--resume" in said, said[-3000:]
-    assert not (tmp_path / "sweep" / "results.csv").exists()  # no trial labelled before the sweep ends
-    parent = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["parent_run_id"]
-    assert mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(parent).info.status == "KILLED"
-
-    resumed = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads((first / "workers" / "rank0.json").read_text())["pid"] == finished_pid  # not rerun
-    rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()[1:]
-    assert len(rows) == 2 and all(",completed,8," in row for row in rows), rows
-    assert (tmp_path / "sweep" / "best" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_a_diverging_trial_fails_and_asha_compares_the_other_on_answers_generated_at_its_rungs(ray_session, tmp_path):
