@@ -173,6 +173,19 @@ def test_a_replica_imports_neither_the_data_pipeline_nor_ray_data():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_ingress_imports_nothing_of_the_model_stack():
+    """Its replica imports it: an HTTP router that held torch, transformers and peft (tests/integration/test_serve.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, raylora.serve.ingress\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft', 'raylora.serve.replica') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_tool_conversation_is_rendered_as_training_renders_it(replica):
     """Served prompts with tools, calls and results are the training text plus the generation prompt."""
     from raylora.data.formats import Conversation
