@@ -5,9 +5,7 @@ PY := $(VENV)/bin/python
 # CPU wheel on this machine class; on CUDA or NPU hosts pass the torch build you need, e.g.
 #   make install TORCH_SPEC="torch==2.6.0"
 TORCH_SPEC ?= torch==2.13.0
-# --no-compile: pip byte-compiles all 24,000 .py files of the environment on one core (64 s of CPU, half the install);
-# Python compiles a module the first time it is imported and keeps the result, so only what runs is compiled.
-PIP := $(PY) -m pip install -qq --disable-pip-version-check --no-compile
+PIP := $(PY) -m pip install -qq --disable-pip-version-check
 
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
