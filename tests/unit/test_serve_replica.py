@@ -2,6 +2,7 @@
 
 import asyncio
 import gc
+import json
 import shutil
 
 import pytest
@@ -161,29 +162,24 @@ def test_prompts_past_the_limits_are_refused_and_default_max_tokens_fits_the_con
         server.cfg.serve.max_prompt_tokens = 100
 
 
-def test_a_replica_imports_neither_the_data_pipeline_nor_ray_data():
+def _loaded_by(imports: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded after ``import {imports}``."""
     import subprocess
     import sys
 
-    code = (
-        "import sys, raylora.serve.replica, raylora.export, raylora.data.sources\n"
-        "print(sorted(m for m in ('ray.data', 'raylora.data.pipeline') if m in sys.modules))"
-    )
+    code = f"import json, sys, {imports}\nprint(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]"
+    return json.loads(out.stdout)
+
+
+def test_a_replica_imports_neither_the_data_pipeline_nor_ray_data():
+    imports = "raylora.serve.replica, raylora.export, raylora.data.sources"
+    assert _loaded_by(imports, ("ray.data", "raylora.data.pipeline")) == []
 
 
 def test_the_ingress_imports_nothing_of_the_model_stack():
     """Its replica imports it: an HTTP router that held torch, transformers and peft (tests/integration/test_serve.py)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, raylora.serve.ingress\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'peft', 'raylora.serve.replica') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _loaded_by("raylora.serve.ingress", ("torch", "transformers", "peft", "raylora.serve.replica")) == []
 
 
 def test_a_tool_conversation_is_rendered_as_training_renders_it(replica):
