@@ -138,18 +138,18 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
             reserve(cfg.serve.port)  # the serve stage binds it after the cluster has taken its ports
             cluster = start_cluster(temp_dir, env, stage_log, log)
             log(f"  Ray dashboard: {cluster['dashboard']}")
-            submit(cluster["dashboard"], ["jobs/train.py", str(job), f"train.output_dir={out / 'train'}"],
-                   stage_log, env, log)  # fmt: skip
+            submit(cluster["dashboard"], ["jobs/train.py", str(job), "train.output_dir=train"], out, stage_log, env,
+                   log)  # fmt: skip
             trained = final_eval_loss(out / "train")
         with timer.stage("sweep") as stage_log:
-            submit(cluster["dashboard"], ["jobs/tune.py", str(job), f"train.output_dir={out / 'sweep'}"],
-                   stage_log, env, log)  # fmt: skip
+            submit(cluster["dashboard"], ["jobs/tune.py", str(job), "train.output_dir=sweep"], out, stage_log, env,
+                   log)  # fmt: skip
             best = best_trial(cfg, out / "sweep")
         with timer.stage("eval") as stage_log:
             # on the base the demo serves, so the served best adapter answers as the eval's does
             submit(cluster["dashboard"], ["jobs/eval.py", str(job), f"eval.candidates=[base, {out / 'sweep'}]",
-                                          f"eval.output_dir={out / 'eval'}", f"serve.quantization={cfg.export.quantization}"],
-                   stage_log, env, log)  # fmt: skip
+                                          "eval.output_dir=eval", f"serve.quantization={cfg.export.quantization}"],
+                   out, stage_log, env, log)  # fmt: skip
             scores = json.loads((out / "eval" / "report.json").read_text())
             questions = identity_answers(out / "eval" / "answers.jsonl", f"trial-{best['trial']}")
         with timer.stage("serve") as stage_log:
@@ -293,13 +293,14 @@ def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str],
     return {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{ports['port']}"}
 
 
-def submit(address: str, args: list[str], log_path: Path, env: dict, log: Callable[[str], None]) -> str:
+def submit(address: str, args: list[str], base: Path, log_path: Path, env: dict, log: Callable[[str], None]) -> str:
     """``ray job submit`` of a ``jobs/`` script with this folder as the working folder, its log streamed.
 
-    Relative paths in the job mean this folder (``RAYLORA_BASE_DIR``). The head's job agent starts a little after
-    ``ray start`` returns, so a submission it refuses for that reason is retried.
+    Relative paths in the job mean ``base``, the demo's output folder (``RAYLORA_BASE_DIR``): each stage's output is
+    named by its part (``train.output_dir=train``). The head's job agent starts a little after ``ray start``
+    returns, so a submission it refuses for that reason is retried.
     """
-    runtime_env = json.dumps({"env_vars": {"RAYLORA_BASE_DIR": os.getcwd()}})
+    runtime_env = json.dumps({"env_vars": {"RAYLORA_BASE_DIR": str(base)}})
     cmd = [_bin("ray"), "job", "submit", "--address", address, "--working-dir", ".", "--runtime-env-json",
            runtime_env, "--", sys.executable, *args]  # fmt: skip
     for _ in range(30):
@@ -347,8 +348,8 @@ def serve_and_ask(
                log_path, env, log)  # fmt: skip
     admin_key = secrets.token_urlsafe(16)
     serve_args = [str(job), f"model.name_or_path={export_dir}", "serve.quantization=none",
-                  f"serve.adapter_root={out / 'adapters'}", f"serve.admin_key={admin_key}"]  # fmt: skip
-    submit(cluster["dashboard"], ["jobs/serve.py", *serve_args], log_path, env, log)
+                  "serve.adapter_root=adapters", f"serve.admin_key={admin_key}"]  # fmt: skip
+    submit(cluster["dashboard"], ["jobs/serve.py", *serve_args], out, log_path, env, log)
     url = f"http://{cfg.serve.host}:{cfg.serve.port}"
     adapter = cfg.tune.register_as or "sweep"
     installed = http_json(f"{url}/v1/adapters", {"name": adapter, "source": f"models:/{adapter}/latest"}, admin_key)

@@ -1,9 +1,14 @@
 """`raylora demo` end to end on the tiny model: prepare, a `ray job submit` training job, a sweep that registers its
 best adapter, `raylora eval` of the base and every trial, a W8A8 base served with the best adapter, the before/after
-report; and a failing stage."""
+report; and a failing stage.
+
+The demo's jobs are also the suite's `ray job submit` jobs on a `ray start`ed head with token auth: their relative
+outputs go to their RAYLORA_BASE_DIR, the training job prints one progress line per logged step, and what they
+wrote outlives Ray's temporary folder (a job with a relative output and no RAYLORA_BASE_DIR is refused)."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +49,11 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
         for k, stage in enumerate(STAGES, 1):
             assert f"[{k}/6] {stage} done in" in proc.stdout
             assert (out / "logs" / f"{stage}.log").is_file()
-        assert "Job 'raysubmit_" in (out / "logs" / "train.log").read_text()  # the log of `ray job submit`
+        train_log = (out / "logs" / "train.log").read_text()  # the log of `ray job submit`
+        assert "Job 'raysubmit_" in train_log and "train.output_dir=train\n" in train_log
+        # what the user sees: one progress line per logged step (every 2nd), with its ETA, no Ray Train report lines
+        progress = re.findall(r"step (\d+)/4 .* ETA \d+s", train_log)
+        assert progress == ["2", "4"] and "Reporting training result" not in train_log
 
         # the table and what it was made of: the eval of the base and both trials on the held-out questions
         text = (out / "report.md").read_text()
@@ -87,10 +96,28 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
                                                  "messages": [{"role": "user", "content": "Who are you?"}]})  # fmt: skip
         assert reply["model"] == "tiny-demo" and reply["usage"]["completion_tokens"] > 0
         assert isinstance(reply["choices"][0]["message"]["content"], str)
+
+        # in Ray's copy of the working folder, a relative output needs RAYLORA_BASE_DIR: refused without it
+        refused = subprocess.run(
+            [str(BIN / "ray"), "job", "submit", "--address", report["urls"]["dashboard"], "--working-dir", str(root),
+             "--", sys.executable, "jobs/train.py", "configs/tiny_lora_cpu.yaml", "tracking.enabled=true"],
+            env={**os.environ, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert refused.returncode != 0
+        assert "train.output_dir: 'outputs/tiny_lora_cpu' is relative" in refused.stdout + refused.stderr
     finally:
         if report is not None:
             stop_cluster(report["cluster"]["temp_dir"])
             shutil.rmtree(report["cluster"]["temp_dir"], ignore_errors=True)
+    # the training job's outputs and MLflow artifacts outlive Ray's temporary folder (removed above)
+    assert (out / "train" / "adapter" / "adapter_model.safetensors").is_file()
+    (run,) = [r for r in runs if r.info.run_name == "train"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2, 4]
+    artifacts = tmp_path / "mlartifacts" / run.info.run_id / "artifacts"
+    assert (artifacts / "adapter" / "adapter_model.safetensors").is_file() and (artifacts / "loss.png").is_file()
+    assert {"adapter", "config.yaml", "loss.png", "history.json"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id)
+    }
 
 
 def test_a_failing_stage_stops_the_demo_naming_the_stage_and_its_log(root, tmp_path):
