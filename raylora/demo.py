@@ -3,9 +3,10 @@
 Six stages, each timed, each calling the existing commands (nothing here trains, evaluates, exports or serves by
 itself):
 
-1. prepare   ``raylora prepare``: Ray Data tokenises, masks and packs the data; the eval split is the held-out slice;
-2. train     ``ray start --head`` on 127.0.0.1 (dashboard included), then ``ray job submit`` of ``jobs/train.py``
-             with the config's workers, its log streamed;
+1. prepare   ``ray start --head`` on 127.0.0.1 (dashboard included), the cluster of every stage, then
+             ``raylora prepare`` on it: Ray Data tokenises, masks and packs the data; the eval split is the held-out
+             slice;
+2. train     ``ray job submit`` of ``jobs/train.py`` with the config's workers, its log streamed;
 3. sweep     ``ray job submit`` of ``jobs/tune.py``: the ``tune.space`` sweep, the best adapter registered in MLflow;
 4. eval      ``ray job submit`` of ``jobs/eval.py``: the base model and every completed trial answer the held-out
              questions together (on the base the demo serves), scored against the references;
@@ -133,11 +134,11 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
     finished = False
     try:
         with timer.stage("prepare") as stage_log:
-            run_logged([_bin("raylora"), "prepare", str(job)], stage_log, env, log)
-        with timer.stage("train") as stage_log:
             reserve(cfg.serve.port)  # the serve stage binds it after the cluster has taken its ports
             cluster = start_cluster(temp_dir, env, stage_log, log)
             log(f"  Ray dashboard: {cluster['dashboard']}")
+            run_logged([_bin("raylora"), "prepare", str(job)], stage_log, {**env, "RAY_ADDRESS": cluster["gcs"]}, log)
+        with timer.stage("train") as stage_log:
             submit(cluster["dashboard"], ["jobs/train.py", str(job), "train.output_dir=train"], out, stage_log, env,
                    log)  # fmt: skip
             trained = final_eval_loss(out / "train")
