@@ -8,13 +8,14 @@ from pathlib import Path
 
 from raylora.comm.links import PRESETS
 from raylora.config import ConfigError, load_config
+from raylora.errors import BadInput, RunFailed
 from raylora.paths import anchor_inputs, anchor_outputs
 from raylora.tune import space
 
 # The modules above are light (no torch, Ray, transformers or mlflow at import; tune.space must stay so). Every other
 # raylora module is imported inside main() and run_plan(), once the arguments are parsed: each command's module pulls
-# in torch, Ray, transformers or mlflow (1-5 s on 2 cores; the error classes in main() alone take about 4.8 s), and
-# `raylora --help` or a usage error must pay none of it.
+# in torch, Ray, transformers or mlflow (1-5 s on 2 cores), and `raylora --help` or a usage error must pay none of
+# it; a command pays only for its own (the error classes main() tells apart are raylora.errors').
 
 COMMANDS = {
     "quickstart": "single-process LoRA fine-tune of a few steps, save the adapter, answer a question",
@@ -83,20 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         rows, problems = check(cfg, cluster=args.cluster)
         print(render(rows, problems))
         return 1 if problems else 0
-    # the error classes of every command, imported after parsing: these modules load torch, Ray Data, transformers and
-    # peft (about 4.8 s on 2 cores together), which `raylora --help` must not pay
-    from raylora.backends import BackendError
-    from raylora.data.sources import DataError  # after parsing: see top
-    from raylora.demo import DemoError  # after parsing: see top
-    from raylora.model_files import ModelError  # after parsing: see top
-    from raylora.tracking import TrackingError  # after parsing: see top
-    from raylora.train.checkpoint import CheckpointError  # after parsing: see top
-    from raylora.train.fit import TrainingError  # after parsing: see top
-
-    # exit 2: the input is wrong (config, model, data, checkpoint, device); exit 1: the run failed
-    bad_input = (ConfigError, ModelError, DataError, CheckpointError, BackendError)
-    failed = (TrackingError, TrainingError, DemoError, ValueError, OSError)
-
     try:
         if args.command == "prepare":
             from raylora.data.pipeline import prepare  # after parsing: see top
@@ -107,16 +94,12 @@ def main(argv: list[str] | None = None) -> int:
 
             export(cfg)
         elif args.command == "serve":
-            from raylora.serve.launch import ServeSetupError, serve_forever, start  # after parsing: see top
+            from raylora.serve.launch import serve_forever, start  # after parsing: see top
 
-            try:
-                if args.detach:
-                    print(f"raylora serve: {start(cfg, detach=True)}/v1 is ready (OpenAI API)")
-                else:
-                    serve_forever(cfg)
-            except ServeSetupError as e:
-                print(f"raylora serve: {e}", file=sys.stderr)
-                return 2
+            if args.detach:
+                print(f"raylora serve: {start(cfg, detach=True)}/v1 is ready (OpenAI API)")
+            else:
+                serve_forever(cfg)
         elif args.command == "eval":
             from raylora.eval.run import evaluate  # after parsing: see top
 
@@ -142,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a sweep's trial that does not fit the cluster, found once Ray is up
         print(e, file=sys.stderr)
         return 2
-    except bad_input as e:
+    except BadInput as e:  # the input is wrong: a model, data, checkpoint, device or port (raylora.errors)
         print(f"raylora {args.command}: {e}", file=sys.stderr)
         return 2
-    except failed as e:
+    except (RunFailed, ValueError, OSError) as e:
         print(f"raylora {args.command}: {e}", file=sys.stderr)
         return 1
     return 0

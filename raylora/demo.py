@@ -46,6 +46,7 @@ import yaml
 
 from raylora.cluster import dashboard_port, stop_cluster
 from raylora.config import ConfigError, JobConfig, to_dict
+from raylora.errors import RunFailed
 from raylora.ports import free_port, port_holder, reserve
 from raylora.tracking import tracking_uri
 from raylora.tune import space
@@ -62,7 +63,7 @@ METRIC_LABELS = {
 }
 
 
-class DemoError(RuntimeError):
+class DemoError(RunFailed, RuntimeError):
     """A stage of the demo failed; the message names the stage and its log file."""
 
 

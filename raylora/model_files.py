@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from raylora.config import ModelArgs
+from raylora.errors import BadInput
 from raylora.paths import cache_home
 from raylora.templates import CHATML
 
@@ -42,7 +43,7 @@ REGISTRY = (SMOLLM2, *TINY)
 HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
-class ModelError(RuntimeError):
+class ModelError(BadInput, RuntimeError):
     """A model or adapter cannot be loaded or built; the message names the path and the fix."""
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raylora.config import TrackingArgs
+from raylora.errors import RunFailed
 from raylora.paths import RAY_COPY_MARK, cache_home
 
 # mlflow is imported inside the functions that talk to a store, after their "tracking off" early returns: it costs
@@ -26,7 +27,7 @@ from raylora.paths import RAY_COPY_MARK, cache_home
 # imports this module and must still run (and report it MISSING) where mlflow is not installed.
 
 
-class TrackingError(RuntimeError):
+class TrackingError(RunFailed, RuntimeError):
     """The MLflow store cannot be reached; the message names the URI and the fix."""
 
 

@@ -14,8 +14,10 @@ from typing import Any
 import ray
 import torch
 
+from raylora.errors import BadInput
 
-class BackendError(RuntimeError):
+
+class BackendError(BadInput, RuntimeError):
     """A device asked for cannot be used; the message names the fix."""
 
 

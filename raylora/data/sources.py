@@ -37,9 +37,10 @@ from raylora.data.preference import (
 )
 from raylora.data.read import expand, first_row, iter_raw
 from raylora.data.transforms import copies_of, split_draw
+from raylora.errors import BadInput
 
 
-class DataError(ValueError):
+class DataError(BadInput, ValueError):
     """The data cannot be prepared: bad sources, or too many rejected rows."""
 
 

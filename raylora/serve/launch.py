@@ -18,6 +18,7 @@ from raylora.backends import BackendError, planned_backend
 from raylora.cluster import cluster_to_join, ensure_ray
 from raylora.config import JobConfig
 from raylora.data.sources import DataError, plan_sources
+from raylora.errors import BadInput
 from raylora.model_files import INT8_MANIFEST, TINY, ModelError, model_folder
 from raylora.ports import port_holder
 from raylora.serve.app import build_app
@@ -26,7 +27,7 @@ from raylora.serve.vllm import build_vllm_app, check_vllm_config
 APP_NAME = "raylora"
 
 
-class ServeSetupError(ValueError):
+class ServeSetupError(BadInput, ValueError):
     """Problems found before the cluster is touched; the message lists every one."""
 
 

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from raylora.config import JobConfig, to_dict
+from raylora.errors import BadInput
 
 LORA_SHAPE = ("rank", "alpha", "target_modules", "use_rslora", "use_dora")
 # SAVE_NOTE: adapters are saved (and snapshot for rollback) with save_embedding_layers=False. raylora never trains or
@@ -30,7 +31,7 @@ LORA_SHAPE = ("rank", "alpha", "target_modules", "use_rslora", "use_dora")
 CHECKPOINT_FILES = ("meta.json", "state.pt", "history.json", "adapter/adapter_model.safetensors")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(BadInput, RuntimeError):
     """A checkpoint that does not fit this job; the message says why and what to do."""
 
 

@@ -14,10 +14,11 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, Sc
 
 from raylora.config import JobConfig, to_dict
 from raylora.data.packs import Packs
+from raylora.errors import RunFailed
 from raylora.tracking import tracking_uri
 
 
-class TrainingError(RuntimeError):
+class TrainingError(RunFailed, RuntimeError):
     """The run failed; the message names the likely causes and fixes, not Ray's internals."""
 
 

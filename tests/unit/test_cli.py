@@ -14,6 +14,26 @@ def test_help_lists_every_command():
         assert name in out and COMMANDS[name][:30] in out
 
 
+def test_the_demo_driver_loads_no_model_stack_and_each_layers_error_says_its_exit_code():
+    """`raylora demo` only starts other processes: it imported torch, transformers and peft (about 5 s of CPU) for the
+    error classes of every command, which main() now tells apart by their kind (raylora.errors)."""
+    from raylora.backends import BackendError
+    from raylora.data.sources import DataError
+    from raylora.demo import DemoError
+    from raylora.errors import BadInput, RunFailed
+    from raylora.model_files import ModelError
+    from raylora.serve.launch import ServeSetupError
+    from raylora.tracking import TrackingError
+    from raylora.train.checkpoint import CheckpointError
+    from raylora.train.fit import TrainingError
+
+    code = "import json, sys, raylora.cli, raylora.demo\nprint(json.dumps(sorted(m for m in ('torch', 'transformers', " \
+           "'peft', 'ray.data') if m in sys.modules)))"  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+    assert all(issubclass(e, BadInput) for e in (BackendError, DataError, ModelError, ServeSetupError, CheckpointError))
+    assert all(issubclass(e, RunFailed) for e in (DemoError, TrackingError, TrainingError))
+
+
 def test_tune_without_a_search_space_exits_2_before_anything_starts(tmp_path, capsys):
     assert main(["tune", "configs/tiny_lora_cpu.yaml", f"train.output_dir={tmp_path}/sweep"]) == 2
     assert "tune.space: is empty" in capsys.readouterr().err
