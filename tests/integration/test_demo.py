@@ -6,6 +6,7 @@ The demo's jobs are also the suite's `ray job submit` jobs on a `ray start`ed he
 outputs go to their RAYLORA_BASE_DIR, the training job prints one progress line per logged step, and what they
 wrote outlives Ray's temporary folder (a job with a relative output and no RAYLORA_BASE_DIR is refused)."""
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import mlflow
+import psutil
 
 from raylora.cluster import stop_cluster
 from raylora.ports import free_port
@@ -37,6 +39,30 @@ def post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
+
+
+def cluster_processes(temp_dir: str) -> list[psutil.Process]:
+    """The processes of the cluster whose Ray files are in ``temp_dir``: those naming it, and their children."""
+    family = {p.pid: p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])}
+    for p in list(family.values()):
+        with contextlib.suppress(psutil.Error):
+            family.update({c.pid: c for c in p.children(recursive=True)})
+    return list(family.values())
+
+
+def names(processes: list[psutil.Process]) -> list[str]:
+    found = []
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            found.append(p.name())
+    return found
+
+
+def running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_path):
@@ -105,10 +131,16 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
         )  # fmt: skip
         assert refused.returncode != 0
         assert "train.output_dir: 'outputs/tiny_lora_cpu' is relative" in refused.stdout + refused.stderr
+        family = cluster_processes(report["cluster"]["temp_dir"])
+        # `ray start`'s daemons carry the temp folder in their command lines, but the raylet's agents rename
+        # themselves (ray::DashboardAgent, ray::RuntimeEnvAgent) and outlived the raylet: stopping takes them too
+        assert sum("Agent" in name for name in names(family)) == 2, names(family)
     finally:
         if report is not None:
             stop_cluster(report["cluster"]["temp_dir"])
             shutil.rmtree(report["cluster"]["temp_dir"], ignore_errors=True)
+    alive = [p for p in family if running(p)]
+    assert not alive, names(alive)  # nothing the demo's cluster started (workers, replicas, agents) outlives it
     # the training job's outputs and MLflow artifacts outlive Ray's temporary folder (removed above)
     assert (out / "train" / "adapter" / "adapter_model.safetensors").is_file()
     (run,) = [r for r in runs if r.info.run_name == "train"]
