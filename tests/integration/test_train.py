@@ -258,7 +258,10 @@ def test_streaming_fails_the_run_when_too_many_rows_are_rejected(tmp_path):
     bad.write_text("".join('{"instruction": "no answer"}\n' for _ in range(5)))
     sources = "data.sources=[{path: data/raylora_identity.jsonl}, {path: " + str(bad) + "}]"
     with pytest.raises(DataError, match=r"5 of 29 rows were rejected"):
-        fit(job(tmp_path, "data.streaming=true", sources, "train.max_steps=2"), log=lambda s: None)
+        fit(
+            job(tmp_path, "data.streaming=true", sources, "train.max_steps=2", "train.num_workers=1"),
+            log=lambda s: None,
+        )
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.info.status == "FAILED"
