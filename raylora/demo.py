@@ -3,7 +3,7 @@
 Six stages, each timed, each calling the existing commands (nothing here trains, evaluates, exports or serves by
 itself):
 
-1. prepare   ``ray start --head`` on 127.0.0.1 (dashboard included), the cluster of every stage, then
+1. prepare   ``ray start --head`` on 127.0.0.1 (dashboard included), the cluster the stages' jobs run on, then
              ``raylora prepare`` on it: Ray Data tokenises, masks and packs the data; the eval split is the held-out
              slice;
 2. train     ``ray job submit`` of ``jobs/train.py`` with the config's workers, its log streamed;
@@ -212,13 +212,19 @@ class StageTimer:
 
 
 def absolute_sources(cfg: JobConfig) -> JobConfig:
-    """``cfg`` with data file paths absolute: jobs run in Ray's copy of the working folder, where a relative
-    ``../shared/data`` would name another file."""
+    """``cfg`` with its input paths absolute: data files, and a model folder or file or a model cache found here. Jobs
+    run in Ray's copy of the working folder, where a relative ``../shared/data`` would name another file, and read
+    relative inputs it lacks from their ``RAYLORA_BASE_DIR``, the demo's output folder (:func:`submit`)."""
     sources = [
         dataclasses.replace(s, path=os.path.abspath(s.path)) if s.path is not None else s for s in cfg.data.sources
     ]
     info = os.path.abspath(cfg.data.dataset_info) if cfg.data.dataset_info else None
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=sources, dataset_info=info))
+    model = cfg.model
+    for key in ("name_or_path", "cache_dir"):
+        value = getattr(model, key)
+        if value and os.path.exists(value):  # a registry or hub name stays as it is
+            model = dataclasses.replace(model, **{key: os.path.abspath(value)})
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=sources, dataset_info=info), model=model)
 
 
 def _bin(name: str) -> str:
@@ -283,6 +289,7 @@ def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str],
         # placement-group cleaner asks) does not go looking for "the" cluster of the host, and fail beside another
         # one, as `ensure_ray` tells the clusters it starts (raylora.cluster).
         env = {**env, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}
+        own_token(env)
         try:
             run_logged(cmd, log_path, env, log)
         except DemoError as e:
@@ -293,6 +300,21 @@ def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str],
             stop_cluster(temp_dir)
             run_logged(cmd, log_path, env, log)
     return {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{ports['port']}"}
+
+
+def own_token(env: dict) -> None:
+    """Make sure this user has a Ray token before ``ray start`` turns token auth on: unlike ``ray.init``, ``ray start``
+    makes none, and on a machine that never ran Ray the demo stopped with "no authentication token was found".
+    ``ray get-auth-token --generate`` writes ``~/.ray/auth_token`` when it is missing; what it prints, the token, stays
+    out of the logs.
+
+    Raises:
+        DemoError: the command failed (its last lines quoted).
+    """
+    proc = subprocess.run([_bin("ray"), "get-auth-token", "--generate"], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+    if proc.returncode:
+        raise DemoError(f"`ray get-auth-token --generate` exited with code {proc.returncode}: {proc.stderr[-500:]}")
 
 
 def submit(address: str, args: list[str], base: Path, log_path: Path, env: dict, log: Callable[[str], None]) -> str:

@@ -1,7 +1,7 @@
 """The two kinds of error a command ends with, apart from :class:`~raylora.config.ConfigError`: the input is wrong
-(exit 2) or the run failed (exit 1). Each layer's own error class derives from one of them, so that the command
-line tells them apart without importing the layers (torch, Ray Data, transformers and peft: about 5 s of CPU that
-a quick refusal, or a command that only starts others, such as ``raylora demo``, need not pay)."""
+(exit 2) or the run failed (exit 1). Each layer's own error class derives from one of them (keeping its built-in
+base), so that the command line tells them apart without importing every layer for its error class: a command
+imports only its own (``raylora prepare`` no longer loads peft and the training stack, about 2 s of CPU)."""
 
 
 class BadInput(Exception):

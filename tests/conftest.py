@@ -54,11 +54,11 @@ LONGEST_FIRST = (
     "integration/test_serve.py",
     "integration/test_tune.py",
     "integration/test_train_cluster.py",
-    "integration/test_cluster_address.py",
     "integration/test_smollm2.py",
-    "integration/test_prepare.py",
     "integration/test_serve_cli.py",
+    "integration/test_prepare.py",
     "integration/test_first_conversion.py",
+    "integration/test_cluster_address.py",
     "integration/test_quickstart.py",
 )
 

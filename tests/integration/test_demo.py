@@ -26,8 +26,15 @@ BIN = Path(sys.executable).parent
 STAGES = ("prepare", "train", "sweep", "eval", "serve", "report")
 
 
+def home(tmp_path: Path) -> dict[str, str]:
+    """The environment of a user who never ran Ray: an empty home, no ``~/.ray/auth_token`` (found by use: ``ray
+    start`` under token auth makes none, and the demo started it before anything else had made one)."""
+    (tmp_path / "home").mkdir(exist_ok=True)
+    return {**os.environ, "HOME": str(tmp_path / "home")}
+
+
 def demo(root: Path, tmp_path: Path, *overrides: str, keep: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, **({"KEEP_SERVING": "1"} if keep else {})}
+    env = {**home(tmp_path), **({"KEEP_SERVING": "1"} if keep else {})}
     return subprocess.run(
         [str(BIN / "raylora"), "demo", "configs/tiny_demo_cpu.yaml", f"train.output_dir={tmp_path}/demo",
          f"data.output_dir={tmp_path}/data", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *overrides],
@@ -78,8 +85,9 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
         train_log = (out / "logs" / "train.log").read_text()  # the log of `ray job submit`
         assert "Job 'raysubmit_" in train_log and "train.output_dir=train\n" in train_log
         # what the user sees: one progress line per logged step (every 2nd), with its ETA, no Ray Train report lines
-        progress = re.findall(r"step (\d+)/4 .* ETA \d+s", train_log)
-        assert progress == ["2", "4"] and "Reporting training result" not in train_log
+        progress = [line for line in train_log.splitlines() if re.search(r"step \d+/4 ", line)]
+        assert [re.search(r"step (\d+)/4 .* ETA \d+s", line).group(1) for line in progress] == ["2", "4"], progress
+        assert "Reporting training result" not in train_log
 
         # the table and what it was made of: the eval of the base and both trials on the held-out questions
         text = (out / "report.md").read_text()
@@ -127,7 +135,7 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
         refused = subprocess.run(
             [str(BIN / "ray"), "job", "submit", "--address", report["urls"]["dashboard"], "--working-dir", str(root),
              "--", sys.executable, "jobs/train.py", "configs/tiny_lora_cpu.yaml", "tracking.enabled=true"],
-            env={**os.environ, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=300,
+            env={**home(tmp_path), "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert refused.returncode != 0
         assert "train.output_dir: 'outputs/tiny_lora_cpu' is relative" in refused.stdout + refused.stderr
@@ -144,6 +152,7 @@ def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_p
     # the training job's outputs and MLflow artifacts outlive Ray's temporary folder (removed above)
     assert (out / "train" / "adapter" / "adapter_model.safetensors").is_file()
     (run,) = [r for r in runs if r.info.run_name == "train"]
+    assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2, 4]
     artifacts = tmp_path / "mlartifacts" / run.info.run_id / "artifacts"
     assert (artifacts / "adapter" / "adapter_model.safetensors").is_file() and (artifacts / "loss.png").is_file()
@@ -161,3 +170,6 @@ def test_a_failing_stage_stops_the_demo_naming_the_stage_and_its_log(root, tmp_p
     assert "stage 'prepare' failed" in proc.stderr and str(log) in proc.stderr
     assert f"{bad}:1" in log.read_text()  # prepare's own message, naming the file and line
     assert not (tmp_path / "demo" / "logs" / "train.log").exists()
+    # the cluster the demo started for its stages, up while prepare failed, is stopped: none of its processes is left
+    temp_dir = re.search(r"--temp-dir=(\S+)", log.read_text()).group(1)
+    assert not [p for p in cluster_processes(temp_dir) if running(p)]

@@ -14,9 +14,9 @@ def test_help_lists_every_command():
         assert name in out and COMMANDS[name][:30] in out
 
 
-def test_the_demo_driver_loads_no_model_stack_and_each_layers_error_says_its_exit_code():
-    """`raylora demo` only starts other processes: it imported torch, transformers and peft (about 5 s of CPU) for the
-    error classes of every command, which main() now tells apart by their kind (raylora.errors)."""
+def test_the_command_line_imports_no_layer_for_its_errors_and_each_layers_error_says_its_exit_code():
+    """main() imported every layer (torch, transformers, peft, Ray Data) for the error classes of every command; it
+    now tells them apart by their kind (raylora.errors), and each command imports only its own layers."""
     from raylora.backends import BackendError
     from raylora.data.sources import DataError
     from raylora.demo import DemoError

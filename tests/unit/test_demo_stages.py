@@ -12,11 +12,29 @@ from raylora.data.encode import tokenizer_spec
 from raylora.data.read import iter_blocks
 from raylora.data.sources import held_out_conversations, plan_sources
 from raylora.data.transforms import encode_batch, worker_spec
-from raylora.demo import check_demo, identity_answers, render_report
+from raylora.demo import absolute_sources, check_demo, identity_answers, render_report
 from raylora.models import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DEMO = ROOT / "configs" / "tiny_demo_cpu.yaml"
+
+
+def test_the_jobs_inputs_are_made_absolute_and_registry_names_stay(tmp_path, monkeypatch):
+    """The demo's jobs read relative inputs Ray's copy of the working folder lacks from the demo's output folder, so
+    every input found here is made absolute first: data files, a local model, a model cache (review finding: a
+    relative model folder was looked for under the output folder)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    (tmp_path / "rows.jsonl").write_text("{}\n")
+    cfg = load_config(
+        TINY_DEMO, ["model.name_or_path=models/mine", "model.cache_dir=models", "data.sources=[{path: rows.jsonl}]"]
+    )
+    made = absolute_sources(cfg)
+    assert made.model.name_or_path == str(tmp_path / "models" / "mine") and made.model.cache_dir == str(
+        tmp_path / "models"
+    )
+    assert made.data.sources[0].path == str(tmp_path / "rows.jsonl")
+    assert absolute_sources(load_config(TINY_DEMO)).model.name_or_path == "tiny-llama"
 
 
 def test_check_demo_lists_every_problem_before_anything_runs():
