@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "demo":
             from raylora.demo import run_demo  # after parsing: see top
 
-            run_demo(cfg, args.config)
+            try:
+                run_demo(cfg, args.config)
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into it: the demo stopped what it started
+                print("raylora demo: stopped by a signal; the cluster it started is stopped", file=sys.stderr)
+                return 1
         elif args.command == "train":
             from raylora.train.fit import fit  # after parsing: see top
 

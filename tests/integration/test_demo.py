@@ -11,8 +11,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -172,4 +174,34 @@ def test_a_failing_stage_stops_the_demo_naming_the_stage_and_its_log(root, tmp_p
     assert not (tmp_path / "demo" / "logs" / "train.log").exists()
     # the cluster the demo started for its stages, up while prepare failed, is stopped: none of its processes is left
     temp_dir = re.search(r"--temp-dir=(\S+)", log.read_text()).group(1)
+    assert not [p for p in cluster_processes(temp_dir) if running(p)]
+
+
+def test_a_signal_stops_the_demo_and_the_cluster_it_started(root, tmp_path):
+    """SIGTERM, as a scheduler or `timeout` sends it, once the demo's cluster is up: the demo stops it, as Ctrl-C
+    does (review finding: Python's default SIGTERM skipped the `finally` that stops the cluster)."""
+    cmd = [str(BIN / "raylora"), "demo", "configs/tiny_demo_cpu.yaml", f"train.output_dir={tmp_path}/demo",
+           f"data.output_dir={tmp_path}/data", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"serve.port={free_port()}"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=root, env=home(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    log, temp_dir = tmp_path / "demo" / "logs" / "prepare.log", None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            text = log.read_text() if log.is_file() else ""
+            if "Ray runtime started" in text:
+                temp_dir = re.search(r"--temp-dir=(\S+)", text).group(1)
+                break
+            time.sleep(0.2)
+        assert temp_dir and [p for p in cluster_processes(temp_dir) if running(p)], "the demo's cluster never started"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if temp_dir:
+            stop_cluster(temp_dir)
+    assert proc.returncode == 1 and "stopped by a signal; the cluster it started is stopped" in err, err[-3000:]
     assert not [p for p in cluster_processes(temp_dir) if running(p)]
