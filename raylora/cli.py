@@ -111,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
 
             sweep(cfg, resume=args.resume)
         elif args.command == "demo":
+            from raylora.cluster import sigterm_stops  # after parsing: see top
             from raylora.demo import run_demo  # after parsing: see top
 
             try:
-                run_demo(cfg, args.config)
-            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM turned into it: the demo stopped what it started
+                with sigterm_stops(lambda: None):  # SIGTERM (a scheduler, `timeout`) stops the demo as Ctrl-C does
+                    run_demo(cfg, args.config)
+            except KeyboardInterrupt:  # run_demo's `finally` stopped the cluster it started
                 print("raylora demo: stopped by a signal; the cluster it started is stopped", file=sys.stderr)
                 return 1
         elif args.command == "train":

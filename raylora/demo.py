@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from raylora.cluster import dashboard_port, sigterm_stops, stop_cluster
+from raylora.cluster import dashboard_port, stop_cluster
 from raylora.config import ConfigError, JobConfig, to_dict
 from raylora.errors import RunFailed
 from raylora.ports import free_port, port_holder, reserve
@@ -133,54 +133,50 @@ def run_demo(cfg: JobConfig, source: str = "config", log: Callable[[str], None] 
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
     env.pop("RAY_ADDRESS", None)
     finished = False
-    # SIGTERM (a scheduler, `timeout`) stops the demo as Ctrl-C does: through the `finally` that stops its cluster
-    with sigterm_stops(lambda: None):
-        try:
-            with timer.stage("prepare") as stage_log:
-                reserve(cfg.serve.port)  # the serve stage binds it after the cluster has taken its ports
-                cluster = start_cluster(temp_dir, env, stage_log, log)
-                log(f"  Ray dashboard: {cluster['dashboard']}")
-                run_logged(
-                    [_bin("raylora"), "prepare", str(job)], stage_log, {**env, "RAY_ADDRESS": cluster["gcs"]}, log
-                )
-            with timer.stage("train") as stage_log:
-                submit(cluster["dashboard"], ["jobs/train.py", str(job), "train.output_dir=train"], out, stage_log, env,
-                       log)  # fmt: skip
-                trained = final_eval_loss(out / "train")
-            with timer.stage("sweep") as stage_log:
-                submit(cluster["dashboard"], ["jobs/tune.py", str(job), "train.output_dir=sweep"], out, stage_log, env,
-                       log)  # fmt: skip
-                best = best_trial(cfg, out / "sweep")
-            with timer.stage("eval") as stage_log:
-                # on the base the demo serves, so the served best adapter answers as the eval's does
-                submit(cluster["dashboard"], ["jobs/eval.py", str(job), f"eval.candidates=[base, {out / 'sweep'}]",
-                                              "eval.output_dir=eval", f"serve.quantization={cfg.export.quantization}"],
-                       out, stage_log, env, log)  # fmt: skip
-                scores = json.loads((out / "eval" / "report.json").read_text())
-                questions = identity_answers(out / "eval" / "answers.jsonl", f"trial-{best['trial']}")
-            with timer.stage("serve") as stage_log:
-                served, url, adapter = serve_and_ask(cfg, job, out, cluster, questions, stage_log, env, log)
-            with timer.stage("report") as stage_log:
-                report = {
-                    "config": source,
-                    "questions": questions,
-                    "eval": scores,
-                    "served": served,
-                    "train_job": {"eval_loss": trained},
-                    "best": best,
-                    "stages": dict(timer.seconds),
-                    "urls": where_to_look(cfg, cluster["dashboard"], url, adapter),
-                    "cluster": {"temp_dir": temp_dir, "kept": keep},
-                }
-                text = render_report(report, cfg)
-                (out / "report.md").write_text(text + "\n")
-                stage_log.write_text(text + "\n")
-                log(text)
-            finished = True
-        finally:
-            if not (keep and finished):  # a failed or interrupted demo never leaves its cluster behind
-                stop_cluster(temp_dir)
-                shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        with timer.stage("prepare") as stage_log:
+            reserve(cfg.serve.port)  # the serve stage binds it after the cluster has taken its ports
+            cluster = start_cluster(temp_dir, env, stage_log, log)
+            log(f"  Ray dashboard: {cluster['dashboard']}")
+            run_logged([_bin("raylora"), "prepare", str(job)], stage_log, {**env, "RAY_ADDRESS": cluster["gcs"]}, log)
+        with timer.stage("train") as stage_log:
+            submit(cluster["dashboard"], ["jobs/train.py", str(job), "train.output_dir=train"], out, stage_log, env,
+                   log)  # fmt: skip
+            trained = final_eval_loss(out / "train")
+        with timer.stage("sweep") as stage_log:
+            submit(cluster["dashboard"], ["jobs/tune.py", str(job), "train.output_dir=sweep"], out, stage_log, env,
+                   log)  # fmt: skip
+            best = best_trial(cfg, out / "sweep")
+        with timer.stage("eval") as stage_log:
+            # on the base the demo serves, so the served best adapter answers as the eval's does
+            submit(cluster["dashboard"], ["jobs/eval.py", str(job), f"eval.candidates=[base, {out / 'sweep'}]",
+                                          "eval.output_dir=eval", f"serve.quantization={cfg.export.quantization}"],
+                   out, stage_log, env, log)  # fmt: skip
+            scores = json.loads((out / "eval" / "report.json").read_text())
+            questions = identity_answers(out / "eval" / "answers.jsonl", f"trial-{best['trial']}")
+        with timer.stage("serve") as stage_log:
+            served, url, adapter = serve_and_ask(cfg, job, out, cluster, questions, stage_log, env, log)
+        with timer.stage("report") as stage_log:
+            report = {
+                "config": source,
+                "questions": questions,
+                "eval": scores,
+                "served": served,
+                "train_job": {"eval_loss": trained},
+                "best": best,
+                "stages": dict(timer.seconds),
+                "urls": where_to_look(cfg, cluster["dashboard"], url, adapter),
+                "cluster": {"temp_dir": temp_dir, "kept": keep},
+            }
+            text = render_report(report, cfg)
+            (out / "report.md").write_text(text + "\n")
+            stage_log.write_text(text + "\n")
+            log(text)
+        finished = True
+    finally:
+        if not (keep and finished):  # a failed or interrupted demo never leaves its cluster behind
+            stop_cluster(temp_dir)
+            shutil.rmtree(temp_dir, ignore_errors=True)
     report["stages"] = {**timer.seconds, "total": sum(timer.seconds.values())}
     (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
     log(f"demo finished in {report['stages']['total']:.0f} s; report in {out / 'report.md'}")

@@ -6,7 +6,6 @@ The demo's jobs are also the suite's `ray job submit` jobs on a `ray start`ed he
 outputs go to their RAYLORA_BASE_DIR, the training job prints one progress line per logged step, and what they
 wrote outlives Ray's temporary folder (a job with a relative output and no RAYLORA_BASE_DIR is refused)."""
 
-import contextlib
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import mlflow
-import psutil
+from processes import alive, cluster_processes, names, running
 
 from raylora.cluster import stop_cluster
 from raylora.ports import free_port
@@ -48,30 +47,6 @@ def post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
-
-
-def cluster_processes(temp_dir: str) -> list[psutil.Process]:
-    """The processes of the cluster whose Ray files are in ``temp_dir``: those naming it, and their children."""
-    family = {p.pid: p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])}
-    for p in list(family.values()):
-        with contextlib.suppress(psutil.Error):
-            family.update({c.pid: c for c in p.children(recursive=True)})
-    return list(family.values())
-
-
-def names(processes: list[psutil.Process]) -> list[str]:
-    found = []
-    for p in processes:
-        with contextlib.suppress(psutil.Error):
-            found.append(p.name())
-    return found
-
-
-def running(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_demo_goes_from_raw_data_to_a_served_adapter_with_its_report(root, tmp_path):
@@ -174,7 +149,7 @@ def test_a_failing_stage_stops_the_demo_naming_the_stage_and_its_log(root, tmp_p
     assert not (tmp_path / "demo" / "logs" / "train.log").exists()
     # the cluster the demo started for its stages, up while prepare failed, is stopped: none of its processes is left
     temp_dir = re.search(r"--temp-dir=(\S+)", log.read_text()).group(1)
-    assert not [p for p in cluster_processes(temp_dir) if running(p)]
+    assert not alive(temp_dir)
 
 
 def test_a_signal_stops_the_demo_and_the_cluster_it_started(root, tmp_path):
@@ -194,7 +169,7 @@ def test_a_signal_stops_the_demo_and_the_cluster_it_started(root, tmp_path):
                 temp_dir = re.search(r"--temp-dir=(\S+)", text).group(1)
                 break
             time.sleep(0.2)
-        assert temp_dir and [p for p in cluster_processes(temp_dir) if running(p)], "the demo's cluster never started"
+        assert temp_dir and alive(temp_dir), "the demo's cluster never started"
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -204,4 +179,4 @@ def test_a_signal_stops_the_demo_and_the_cluster_it_started(root, tmp_path):
         if temp_dir:
             stop_cluster(temp_dir)
     assert proc.returncode == 1 and "stopped by a signal; the cluster it started is stopped" in err, err[-3000:]
-    assert not [p for p in cluster_processes(temp_dir) if running(p)]
+    assert not alive(temp_dir)

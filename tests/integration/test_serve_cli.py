@@ -7,20 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import requests
+from processes import alive, cluster_processes
 
 from raylora.ports import free_port, port_holder
 
 RAYLORA = str(Path(sys.executable).with_name("raylora"))
-
-
-def _session_processes(ray_tmp: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if str(ray_tmp) in " ".join(p.info["cmdline"] or []):
-            found.append(p)
-    return found
 
 
 def test_serve_stops_cleanly_on_a_signal(tmp_path, ray_tmp):
@@ -44,7 +36,7 @@ def test_serve_stops_cleanly_on_a_signal(tmp_path, ray_tmp):
         body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3, "temperature": 0}
         r = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert _session_processes(ray_tmp), "the server's Ray processes should be found by their temp folder"
+        assert cluster_processes(ray_tmp), "the server's Ray processes should be found by their temp folder"
         proc.send_signal(signum)
         rest = proc.communicate(timeout=90)[0]
         assert proc.returncode == 0, rest[-3000:]
@@ -53,7 +45,7 @@ def test_serve_stops_cleanly_on_a_signal(tmp_path, ray_tmp):
         if proc.poll() is None:
             proc.kill()
     deadline = time.monotonic() + 30
-    while _session_processes(ray_tmp) and time.monotonic() < deadline:
+    while alive(ray_tmp) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _session_processes(ray_tmp) == []
+    assert alive(ray_tmp) == []
     assert port_holder("127.0.0.1", port) is None
