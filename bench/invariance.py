@@ -8,8 +8,9 @@ Workloads, each run on both paths, alternated --repeats times (medians and their
   mix64    64 alpaca questions x 2, adapters round-robin, 64 tokens each, batch 64 (an eval actor's workload)
 
   invariant   the engine as it is (raylora/ops/engine_attention.py; LoRA sums in float64)
-  baseline    transformers' sdpa attention (keys still read in whole blocks of 16 columns) and float32 LoRA sums: the
-              engine before batch invariance
+  baseline    torch's sdpa for each attention the engine computes (each prompt still prefilled over its own keys, as
+              its packed prefill needs; decode keys still in whole blocks) and float32 LoRA sums: the engine without
+              batch invariance
 
     .venv/bin/python bench/invariance.py [--adapters 4] [--repeats 2]
 """
@@ -17,7 +18,6 @@ Workloads, each run on both paths, alternated --repeats times (medians and their
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -33,9 +33,16 @@ from serve import LONG_ANSWER, _config, make_adapters, questions  # noqa: E402
 
 def paths():
     """``{name: switch}``: each switch turns the engine's path on for the runs after it."""
+    import torch
+
     from raylora.ops import engine_attention, lora
 
-    selected, build = engine_attention.selected, lora._build
+    attend, build = engine_attention.attend, lora._build
+
+    def sdpa(query, key, value, mask, scale):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=True
+        )
 
     def float32_build(layer, names):
         stack = build(layer, names)
@@ -43,11 +50,11 @@ def paths():
         return stack
 
     def invariant(model):
-        engine_attention.selected, lora._build = selected, build
+        engine_attention.attend, lora._build = attend, build
         lora.stack_adapters(model)
 
     def baseline(model):
-        engine_attention.selected, lora._build = (lambda m: contextlib.nullcontext()), float32_build
+        engine_attention.attend, lora._build = sdpa, float32_build
         lora.stack_adapters(model)
 
     return {"invariant": invariant, "baseline": baseline}

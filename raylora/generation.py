@@ -30,7 +30,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import DynamicCache
 
 from raylora.kv_slots import Slots
-from raylora.ops import engine_attention
+from raylora.ops import engine_attention, lora
 from raylora.prefix_cache import PrefixCache
 
 T = TypeVar("T")
@@ -282,19 +282,21 @@ class Engine:
         return self.max_prefill_tokens * (1 if self._running else self.max_batch_size)
 
     def _next_chunk(self) -> list[_Seq]:
-        """What is prefilled this turn: the short prompts waiting, together while their padded batch fits
-        ``max_batch_size * max_prefill_tokens`` (16 SmolLM2 W8A8 requests arriving together all had their first token
-        after 0.65-0.74 s, against 0.05-1.45 s one prompt a turn; docs/serving.md); else the next
-        chunk of a long prompt (short ones go first, so a long prompt never delays a new request's first token by
-        more than a chunk; ``max_batch_size`` bounds how long they can keep it waiting). A prompt is short when what
-        is left of it to prefill is: a prompt whose start the prefix cache held joins the others."""
+        """What is prefilled this turn: the short prompts waiting, together while what is left of them to prefill fits
+        ``max_batch_size * max_prefill_tokens`` tokens (16 SmolLM2 W8A8 requests arriving together all had their first
+        token after 0.65-0.74 s, against 0.05-1.45 s one prompt a turn; docs/serving.md); else the next chunk of a
+        long prompt (short ones go first, so a long prompt never delays a new request's first token by more than a
+        chunk; ``max_batch_size`` bounds how long they can keep it waiting). A prompt is short when what is left of it
+        to prefill is: a prompt whose start the prefix cache held joins the others. Prompts of different adapters are
+        prefilled together only on a model whose LoRA layers are all stacked (:func:`raylora.ops.lora.stacked`)."""
         budget = self.max_prefill_tokens * self.max_batch_size
-        chunk, width = [], 0
+        mixed = not hasattr(self.model, "peft_config") or lora.stacked(self.model)
+        chunk, tokens = [], 0
         for seq in self._prefilling:
-            if self._long(seq):
+            if self._long(seq) or not (mixed or not chunk or seq.req.adapter == chunk[0].req.adapter):
                 continue
-            width = max(width, len(seq.req.prompt_ids) - seq.prefilled)
-            if width * (len(chunk) + 1) > budget:
+            tokens += len(seq.req.prompt_ids) - seq.prefilled
+            if tokens > budget:
                 break
             chunk.append(seq)
         return chunk or [next((s for s in self._prefilling if s.prefilled), self._prefilling[0])]
@@ -303,84 +305,83 @@ class Engine:
         """Whether what is left of ``seq``'s prompt is prefilled in chunks."""
         return len(seq.req.prompt_ids) - seq.prefilled > self._chunk_tokens()
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache,
-                 prefill_rows: list[tuple[int, int]] | None = None):  # fmt: skip
-        """The model's logits at each row's last column, and its cache; ``prefill_rows``: each row's ``(keys, queries)``
-        in a prefill (:func:`~raylora.ops.engine_attention.engine_attention`)."""
-        kwargs = {} if prefill_rows is None else {"prefill_rows": prefill_rows}
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq], cache, **kwargs):
+        """The model's forward over ``ids`` (batch, tokens), row ``i`` for ``seqs[i]``, or one packed row of
+        ``kwargs["prefill"]``'s prompts (:meth:`_prefill`); returns its logits (rows or prompts, vocab) and cache."""
+        names = [s.req.adapter or BASE for s in seqs]
+        named = contextlib.nullcontext()
         if hasattr(self.model, "peft_config"):
-            kwargs["adapter_names"] = [s.req.adapter or BASE for s in seqs]
+            if lora.stacked(self.model):
+                named = lora.adapters_of(
+                    names, None if "prefill" not in kwargs else [n for _, _, n in kwargs["prefill"]]
+                )
+            else:  # peft's per-row names; a prefill's prompts share one adapter then (_next_chunk)
+                kwargs["adapter_names"] = names[: len(ids)]
         device = self.model.device
-        with self.autocast(), engine_attention.selected(self.model):
-            out = self.model(
-                input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                cache=cache, use_cache=True, logits_to_keep=1, **kwargs,
-            )  # fmt: skip
-        return out.logits[:, -1, :].float().cpu(), out.cache
+        with self.autocast(), engine_attention.selected(self.model), named:
+            out = self.model(input_ids=ids.to(device), position_ids=positions.to(device), cache=cache, use_cache=True,
+                             **kwargs)  # fmt: skip
+        logits = out.logits[0] if "prefill" in kwargs else out.logits[:, -1, :]
+        return logits.float().cpu(), out.cache
 
     def _prefill(self, seqs: list[_Seq]) -> None:
-        """One prefill forward: the next ``max_prefill_tokens`` of one long prompt, or several short prompts whole."""
+        """One prefill forward: the next ``max_prefill_tokens`` of one long prompt, or several short prompts whole.
+
+        The prompts lie side by side in one row, no padding: the linears run on their tokens only, and each prompt
+        attends to its own keys (:func:`~raylora.ops.engine_attention.engine_attention`'s ``prefill``), those a
+        sequence holds already (its cached start, its earlier chunks) first in the cache."""
         if self._long(seqs[0]):
-            seq = seqs[0]
-            start = seq.prefilled
-            end = min(len(seq.req.prompt_ids), start + self._chunk_tokens())
-            ids = torch.tensor([seq.req.prompt_ids[start:end]])
-            mask = torch.ones((1, end), dtype=torch.long)
-            logits, seq.cache = self._forward(
-                ids, mask, torch.arange(start, end)[None], seqs, seq.cache, [(end, end - start)]
-            )
-            seq.prefilled = end
-            if end < len(seq.req.prompt_ids):
-                return
-            cache, seq.cache = seq.cache, None
-            self._keep_prefix(seq, cache, 0, 0)
+            ends = [min(len(seqs[0].req.prompt_ids), seqs[0].prefilled + self._chunk_tokens())]
         else:
-            # Each row is its prompt right-aligned in ``past + query`` columns, left-padded: the last ``query`` columns
-            # are computed now, the ones before come from the keys and values a row already holds (its cached start),
-            # of which a row whose uncached rest is shorter than ``query`` recomputes the last few.
-            query = max(len(s.req.prompt_ids) - s.prefilled for s in seqs)
-            kept = [max(0, len(s.req.prompt_ids) - query) for s in seqs]
-            past = max(kept)
-            width = past + query
-            ids = torch.full((len(seqs), query), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-            mask = torch.zeros((len(seqs), width), dtype=torch.long)
-            for i, s in enumerate(seqs):
-                n = len(s.req.prompt_ids)
-                ids[i, query - (n - kept[i]) :] = torch.tensor(s.req.prompt_ids[kept[i] :])
-                mask[i, width - n :] = 1
-            positions = (mask.cumsum(1) - 1).clamp(min=0)[:, past:]
-            # a row's keys are the last len(prompt) columns, its queries the last len(prompt) - kept
-            rows = [(len(s.req.prompt_ids), len(s.req.prompt_ids) - k) for s, k in zip(seqs, kept, strict=True)]
-            logits, cache = self._forward(
-                ids, mask, positions, seqs, _stacked(seqs, kept, past, self.model.config) if past else None, rows
-            )
-            for i, s in enumerate(seqs):
-                s.cache = None
-                self._keep_prefix(s, cache, i, width - len(s.req.prompt_ids))
+            ends = [len(s.req.prompt_ids) for s in seqs]
+        held = [s for s in seqs if s.prefilled]
+        past = None
+        if held:
+            past = DynamicCache(config=self.model.config)
+            for layer in range(len(held[0].cache.layers)):
+                past.update(torch.cat([s.cache.layers[layer].keys for s in held], dim=2),
+                            torch.cat([s.cache.layers[layer].values for s in held], dim=2), layer)  # fmt: skip
+        ids = torch.tensor(
+            [[t for s, end in zip(seqs, ends, strict=True) for t in s.req.prompt_ids[s.prefilled : end]]]
+        )
+        positions = torch.cat([torch.arange(s.prefilled, end) for s, end in zip(seqs, ends, strict=True)])[None]
+        prefill, held_at = [], 0  # per prompt: where its held columns start, how many, its new tokens
+        for s, end in zip(seqs, ends, strict=True):
+            prefill.append((held_at, s.prefilled, end - s.prefilled))
+            held_at += s.prefilled
+        firsts = torch.tensor([0] + [n for _, _, n in prefill]).cumsum(0)
+        logits, cache = self._forward(ids, positions, seqs, past, prefill=prefill, logits_to_keep=firsts[1:] - 1)
+        done = []
+        for i, (s, end) in enumerate(zip(seqs, ends, strict=True)):
+            s.cache = _row(cache, prefill[i][0], prefill[i][1], int(firsts[i]), prefill[i][2], held_at)
+            s.prefilled = end
+            if end == len(s.req.prompt_ids):
+                self._keep_prefix(s, s.cache)
+                done.append(i)
+        if not done:
+            return
         with self._cv:
             self._prefilling = [s for s in self._prefilling if s not in seqs]
-        self._join(seqs, logits, cache, mask)
+        self._join([seqs[i] for i in done], logits[done])
 
-    def _keep_prefix(self, seq: _Seq, cache, row: int, start: int) -> None:
-        """Give the prefix cache ``seq``'s prompt blocks (row ``row`` of ``cache``, from column ``start``)."""
+    def _keep_prefix(self, seq: _Seq, cache) -> None:
+        """Give the prefix cache ``seq``'s prompt blocks (``cache``: its keys and values, batch 1)."""
         if self.prefix_cache is not None:
-            self.prefix_cache.store(seq.req.adapter, seq.req.prompt_ids, cache, row, start)
+            self.prefix_cache.store(seq.req.adapter, seq.req.prompt_ids, cache, 0, 0)
 
-    def _join(self, seqs: list[_Seq], logits: torch.Tensor, cache, mask: torch.Tensor) -> None:
-        """Sample the first token of freshly prefilled ``seqs``; the unfinished ones join the running batch, their keys
-        and values copied from ``cache``, where row ``i`` holds ``seqs[i]``'s prompt in its last columns (``mask``'s
-        width)."""
+    def _join(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Sample the first token of freshly prefilled ``seqs`` (each holding its prompt's keys and values); the
+        unfinished ones join the running batch."""
         tokens = self._sample(logits, seqs)
-        keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
-        width = mask.shape[1]
         joined = []
         for i, (seq, token) in enumerate(zip(seqs, tokens[:, 0].tolist(), strict=True)):
+            cache, seq.cache = seq.cache, None
             if seq.cancelled or self._advance(seq, token):
                 continue
             if self._cache is None:
                 self._cache = Slots()
-            n = len(seq.req.prompt_ids)
-            self._cache.add(keys, values, i, width - n, n)
+            keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+            self._cache.add(keys, values, 0, 0, len(seq.req.prompt_ids))
             self._running.append(seq)
             joined.append(i)
         if not joined:
@@ -392,7 +393,8 @@ class Engine:
     def _step(self) -> None:
         """One decode step of every running sequence; the finished and cancelled ones leave the batch."""
         mask, positions = self._cache.step()
-        logits, _ = self._forward(self._next, mask, positions, self._running, self._cache)
+        logits, _ = self._forward(self._next, positions, self._running, self._cache, attention_mask=mask,
+                                  logits_to_keep=1)  # fmt: skip
         self._cache.stepped()
         self._next = tokens = self._sample(logits, self._running)
         ended = [i for i, (s, t) in enumerate(zip(self._running, tokens[:, 0].tolist(), strict=True))
@@ -463,21 +465,29 @@ class Engine:
         return reason is not None
 
 
-def _stacked(seqs: list[_Seq], kept: list[int], past: int, config) -> DynamicCache:
-    """One cache for a batch of a model of ``config``: row ``i`` holds the first ``kept[i]`` keys and values of
-    ``seqs[i]``'s own cache, left-padded with zeros to ``past`` columns (the mask hides them)."""
-    cache = DynamicCache(config=config)
-    layers = [s.cache.layers if s.cache is not None else None for s in seqs]
-    some = next(ls for ls in layers if ls is not None)
-    for layer in range(len(some)):
-        like = some[layer].keys  # (1, heads, tokens, head_dim): the shape and dtype of every row's padding
-        keys, values = [], []
-        for own, k in zip(layers, kept, strict=True):
-            pad = like.new_zeros(like.shape[:2] + (past - k,) + like.shape[3:])
-            keys.append(torch.cat([pad, own[layer].keys[:, :, :k]], dim=2) if k else pad)
-            values.append(torch.cat([pad, own[layer].values[:, :, :k]], dim=2) if k else pad)
-        cache.update(torch.cat(keys), torch.cat(values), layer)
-    return cache
+@dataclass
+class _Layer:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class _Row:
+    """One prompt's keys and values so far, (1, kv heads, tokens, head dim) per layer: what a cache's ``layers`` give."""
+
+    layers: list[_Layer]
+
+
+def _row(cache, held_at: int, held: int, new_at: int, count: int, past: int) -> _Row:
+    """One prompt of a packed prefill from its ``cache``: the ``held`` columns it held from ``held_at`` among the
+    ``past`` columns given before the forward, then its ``count`` new ones from ``new_at`` after them (views when it
+    held none)."""
+    layers = []
+    for layer in cache.layers:
+        pieces = [(t[:, :, held_at : held_at + held], t[:, :, past + new_at : past + new_at + count])
+                  for t in (layer.keys, layer.values)]  # fmt: skip
+        layers.append(_Layer(*(torch.cat(p, dim=2) if held else p[1] for p in pieces)))
+    return _Row(layers)
 
 
 def _top_p_sample(logits: torch.Tensor, top_p: float, generator: torch.Generator) -> int:

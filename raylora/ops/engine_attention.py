@@ -7,10 +7,10 @@ into other int8 activations, so a greedy answer could differ between `raylora ev
 (its own batch). Here:
 
 - a decode step (one query per row) computes scores, softmax and the weighted values with plain matmuls over keys
-  padded to whole blocks of :data:`BLOCK` columns (the engine's cache hands them so, :mod:`raylora.kv_slots`):
-  a row's sums then run over the same columns in the same order whatever the batch (none of 320 such cases differ;
-  unpadded, a quarter did);
-- a prefill computes each prompt on its own: its queries over its own keys (``prefill_rows``), tiled from its first
+  padded to whole blocks of :data:`BLOCK` columns (the engine's cache hands them so, :mod:`raylora.kv_slots`), the
+  weighted values summed a block at a time: a row's sums then run over the same columns in the same order whatever
+  the batch (none of 400 such cases differ; unpadded, a quarter did);
+- a prefill computes each prompt on its own: its queries over its own keys (``prefill``), tiled from its first
   position, shaped exactly as if it were alone.
 
 On a W8A8 base the linears are exact and per token (a float base's own matmuls still vary with the batch's shape),
@@ -32,13 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "raylora_engine"
-# Keys are attended in whole blocks of this many columns: padded to whole blocks of 8 or more, a row's result no longer
-# depended on the batch's width on this machine's 16-float vectors (4: 8 of 320 cases differed); 16, one AVX-512
-# vector, for margin.
-BLOCK = 16
+# Keys are attended in whole blocks of this many columns, and the weighted values summed a block at a time, the blocks'
+# sums added in order: a row's result then does not depend on the batch's width. Softmax needs whole blocks of 8 or more
+# (4: 8 of 320 cases differed); one matmul over all the columns gave a row's output other last bits when the batch was
+# wider on one of the 2-core machines here (1 of 40 cases: MKL splits a long sum by its length), none in 400 cases by
+# blocks of 32 (nor 16, nor 64) on it. 32: the padding wastes 16 columns on average, and a layer adds as many block
+# sums as its keys have blocks.
+BLOCK = 32
 QUERY_TILE = 256  # a prefill's queries computed at a time (bounds its scores' memory)
 
 
@@ -67,8 +69,12 @@ def attend(
     # the query scaled first: a float16 product of unscaled queries and keys can overflow
     scores = torch.matmul((query * scale).reshape(b, kv, group * q, d), key.transpose(-1, -2))
     scores = scores.view(b, kv, group, q, width).masked_fill_(~mask[:, :, None], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).view(b, kv, group * q, width)
-    return torch.matmul(probs, value).view(b, h, q, d)
+    probs = torch.softmax(scores, dim=-1).view(b, kv, group * q, width // BLOCK, BLOCK).transpose(2, 3)
+    sums = torch.matmul(probs, value.view(b, kv, width // BLOCK, BLOCK, d))  # (b, kv, blocks, group * q, d)
+    out = sums[:, :, 0]
+    for block in range(1, width // BLOCK):  # in order, whatever the width: zero blocks past a row's keys add nothing
+        out = out + sums[:, :, block]
+    return out.reshape(b, h, q, d)
 
 
 def causal(start: int, end: int, width: int, device: torch.device) -> torch.Tensor:
@@ -104,14 +110,15 @@ def engine_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    prefill_rows: list[tuple[int, int]] | None = None,
+    prefill: list[tuple[int, int, int]] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (B, H, Q, D), key and value (B, H_kv, L, D); returns (B, Q, H, D).
 
-    ``prefill_rows`` (a prefill): per row, ``(keys, queries)``: its keys are the last ``keys`` columns and its
-    queries the last ``queries`` of the batch's; each row is computed alone (:func:`prefill_row`) and its padding
-    queries give zeros. Without it the mask is read (None: causal).
+    ``prefill`` (the engine's prefill: prompts side by side in one row, B = 1): per prompt, ``(held_at, held,
+    count)``: its ``count`` queries follow the previous prompts' in ``query``, its keys are the ``held`` columns from
+    ``held_at`` of the keys the cache held before this pass (the first ``L - Q``), then its ``count`` new ones; each
+    prompt is computed alone (:func:`prefill_row`). Without it the mask is read (None: causal).
 
     Raises:
         ValueError: the layer asks for what this attention does not compute (:func:`plain` keeps such models away).
@@ -120,23 +127,23 @@ def engine_attention(
     if unsupported:
         raise ValueError(f"the engine's attention computes plain causal attention; this layer asks for {unsupported}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if prefill_rows is None:
+    if prefill is None:
         count, width = query.shape[2], key.shape[2]
         mask = attention_mask if attention_mask is not None else causal(width - count, width, width, query.device)
         out = attend(query, key, value, mask.bool(), scale)
     else:
-        out = query.new_zeros(query.shape)
-        width, count = key.shape[2], query.shape[2]
-        for i, (keys, queries) in enumerate(prefill_rows):
-            out[i : i + 1, :, count - queries :] = prefill_row(
-                query[i : i + 1, :, count - queries :], key[i : i + 1, :, width - keys :],
-                value[i : i + 1, :, width - keys :], scale,
-            )  # fmt: skip
+        past, start, parts = key.shape[2] - query.shape[2], 0, []
+        for held_at, held, count in prefill:
+            keys, values = (torch.cat([t[:, :, held_at : held_at + held], t[:, :, past + start : past + start + count]],
+                                      dim=2) for t in (key, value))  # fmt: skip
+            parts.append(prefill_row(query[:, :, start : start + count], keys, values, scale))
+            start += count
+        out = torch.cat(parts, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
+# No mask function is registered with it: transformers then builds no mask for it (a decode step hands its own).
 AttentionInterface.register(NAME, engine_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def plain(config) -> bool:

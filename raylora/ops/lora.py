@@ -16,14 +16,24 @@ float32), so a row's result is its own (:mod:`raylora.ops.engine_attention`).
 
 Only plain LoRA on ``nn.Linear`` is stacked; a layer holding DoRA, a LoRA bias or int4-stored factors keeps
 peft's own path.
+
+The generation engine names each forward pass's adapters with :func:`adapters_of` instead of peft's ``adapter_names``
+argument when every LoRA layer of the model is stacked (:func:`stacked`): peft installs its per-call hooks by walking
+every module of the model at each forward pass, 7 ms of a SmolLM2 forward pass on 2 cores, whatever the batch (a
+quarter of a batch-1 decode step). :func:`adapters_of` also names the adapters of a packed row (several prompts
+side by side in one row, the engine's prefill), which peft's per-row argument cannot.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from raylora.ops.int4 import Int4Linear
@@ -45,18 +55,43 @@ def stack_adapters(model: nn.Module) -> int:
     Returns:
         The number of layers that now use the stacked forward.
     """
-    count = 0
+    count, others = 0, 0
     for layer in model.modules():
-        if not isinstance(layer, LoraLinear):
+        if not isinstance(layer, LoraLayer):
             continue
-        names = [n for n in layer.lora_A if n in layer.lora_B]
-        if not plain_lora(layer, names) or not names:
-            layer.__dict__.pop("_mixed_batch_forward", None)
+        names = [n for n in layer.lora_A if n in layer.lora_B] if isinstance(layer, LoraLinear) else []
+        if not names or not plain_lora(layer, names):
+            for attribute in ("_mixed_batch_forward", "forward"):
+                layer.__dict__.pop(attribute, None)
+            others += bool(getattr(layer, "lora_A", None) or getattr(layer, "lora_embedding_A", None))
             continue
         layer._raylora_stack = _build(layer, names)
         layer._mixed_batch_forward = _stacked_forward.__get__(layer)
+        layer.forward = _named_forward.__get__(layer)
         count += 1
+    model._raylora_stacked = count > 0 and not others
     return count
+
+
+def stacked(model: nn.Module) -> bool:
+    """Whether every LoRA layer of ``model`` holding an adapter runs the stacked op (:func:`adapters_of` then names a
+    forward pass's adapters)."""
+    return getattr(model, "_raylora_stacked", False)
+
+
+_batch = threading.local()  # the adapters of the forward pass in flight on this thread (adapters_of)
+
+
+@contextlib.contextmanager
+def adapters_of(names: list[str], counts: list[int] | None = None) -> Iterator[None]:
+    """Within the block, a forward pass of a :func:`stacked` model on this thread applies adapter ``names[i]``
+    (:data:`BASE`: none) to batch row ``i``, or with ``counts`` to the ``i``-th run of ``counts[i]`` tokens of a
+    single packed row."""
+    _batch.names, _batch.counts, _batch.chosen = names, counts, {}
+    try:
+        yield
+    finally:
+        _batch.names, _batch.chosen = None, {}
 
 
 def plain_lora(layer, names: list[str]) -> bool:
@@ -88,23 +123,54 @@ def _build(layer, names: list[str]) -> _Stack:
 
 
 def _stacked_forward(self, x: torch.Tensor, *args, adapter_names: list[str], **kwargs) -> torch.Tensor:
-    """``base(x) + x A_i B_i s_i`` per row ``i``; ``x`` is (batch, tokens, in_features)."""
+    """peft's mixed-batch forward: ``base(x) + x A_i B_i s_i`` per row ``i``; ``x`` is (batch, tokens, in_features)."""
     for key in ("alora_offsets",):
         kwargs.pop(key, None)
-    result = self.base_layer(x, *args, **kwargs)
+    return _add_lora(self, x, self.base_layer(x, *args, **kwargs), _choice(self._raylora_stack, adapter_names, None))
+
+
+def _named_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A stacked layer's forward: the adapters :func:`adapters_of` names, else peft's own forward."""
+    names = getattr(_batch, "names", None)
+    if names is None or self.disable_adapters or self.merged:
+        return type(self).forward(self, x, *args, **kwargs)
     stack: _Stack = self._raylora_stack
-    blocks = [stack.slots.get(n, -1) for n in adapter_names]  # -1: the base model, no LoRA
+    key = (tuple(stack.slots), stack.rank)  # layers with the same adapters in the same blocks choose alike
+    chosen = _batch.chosen.get(key)
+    if chosen is None:
+        chosen = _batch.chosen[key] = _choice(stack, names, _batch.counts)
+    return _add_lora(self, x, self.base_layer(x, *args, **kwargs), chosen)
+
+
+def _choice(stack: _Stack, names: list[str], counts: list[int] | None):
+    """The column blocks of ``stack`` that a batch of rows (or packed runs of ``counts`` tokens) using adapters
+    ``names`` needs, as indices (None: all of them), and the (tokens or rows, columns) 0/1 matrix that keeps each
+    token's own block (None: every row uses the same); None when no row uses an adapter of ``stack``."""
+    blocks = [stack.slots.get(n, -1) for n in names]  # -1: the base model, no LoRA
     used = sorted(set(blocks) - {-1})
     if not used:
-        return result
+        return None
     r = stack.rank
     columns = torch.cat([torch.arange(k * r, (k + 1) * r) for k in used]) if len(used) < len(stack.slots) else None
+    keep = None
+    if len(used) > 1 or -1 in blocks:  # rows differ: each keeps only its own adapter's block
+        own = torch.tensor([used.index(k) if k >= 0 else -1 for k in blocks])
+        if counts is not None:
+            own = own.repeat_interleave(torch.tensor(counts))
+        block = torch.arange(len(used)).repeat_interleave(r)
+        keep = (own[:, None] == block[None, :]).to(device=stack.a.device, dtype=stack.a.dtype)
+    return columns, keep
+
+
+def _add_lora(self, x: torch.Tensor, result: torch.Tensor, chosen) -> torch.Tensor:
+    if chosen is None:
+        return result
+    stack: _Stack = self._raylora_stack
+    columns, keep = chosen
     a, b = (stack.a, stack.b) if columns is None else (stack.a[:, columns], stack.b[columns])
     h = x.to(a.dtype) @ a  # (batch, tokens, len(used) * rank)
-    if len(used) > 1 or -1 in blocks:  # rows differ: each keeps only its own adapter's block
-        own = torch.tensor([used.index(k) if k >= 0 else -1 for k in blocks], device=x.device)
-        block = torch.arange(len(used), device=x.device).repeat_interleave(r)
-        h = h * (own[:, None] == block[None, :]).to(h.dtype)[:, None, :]
+    if keep is not None:
+        h = h * keep.view(h.shape[0], -1, keep.shape[-1])
     return result + (h @ b).to(result.dtype)
 
 

@@ -39,21 +39,18 @@ def test_decode_and_prefill_rows_give_sdpas_results():
     out, _ = attention(None, q, k, v, mask, scaling=DIM**-0.5)
     torch.testing.assert_close(out, _sdpa(q, k, v, mask).transpose(1, 2), atol=1e-5, rtol=1e-5)
 
-    # a prefill: row 0 is 9 keys whose last 9 are queries, row 1 is 5 keys whose last 2 are queries (3 cached)
-    q, k, v = (
-        torch.randn(2, HEADS, 9, DIM, generator=g),
-        torch.randn(2, KV, 9, DIM, generator=g),
-        torch.randn(2, KV, 9, DIM, generator=g),
-    )
-    out, _ = attention(None, q, k, v, None, scaling=DIM**-0.5, prefill_rows=[(9, 9), (5, 2)])
-    torch.testing.assert_close(out[0], _sdpa(q[:1], k[:1], v[:1], causal(0, 9, 9, q.device))[0].transpose(0, 1))
-    alone = _sdpa(q[1:, :, 7:], k[1:, :, 4:], v[1:, :, 4:], causal(3, 5, 5, q.device))[0].transpose(0, 1)
-    torch.testing.assert_close(out[1, 7:], alone)
-    assert not out[1, :7].any()  # padding queries
+    # a prefill, two prompts in one row: prompt 0 brings 9 tokens, prompt 1 holds 3 keys and brings 2 more; the keys
+    # are the 3 held, then the 9 + 2 new ones
+    q, k, v = (torch.randn(1, h, n, DIM, generator=g) for h, n in ((HEADS, 11), (KV, 14), (KV, 14)))
+    out, _ = attention(None, q, k, v, None, scaling=DIM**-0.5, prefill=[(0, 0, 9), (0, 3, 2)])
+    first = _sdpa(q[:, :, :9], k[:, :, 3:12], v[:, :, 3:12], causal(0, 9, 9, q.device))
+    torch.testing.assert_close(out[0, :9], first[0].transpose(0, 1))
+    k1, v1 = (torch.cat([t[:, :, :3], t[:, :, 12:]], dim=2) for t in (k, v))
+    torch.testing.assert_close(out[0, 9:], _sdpa(q[:, :, 9:], k1, v1, causal(3, 5, 5, q.device))[0].transpose(0, 1))
 
-    # a prompt longer than a query tile, 40 of its 300 positions cached: tiled from its first position
+    # a prompt longer than a query tile, 40 of its 300 positions held: tiled from its first position
     q, k, v = (torch.randn(1, h, n, DIM, generator=g) for h, n in ((HEADS, 260), (KV, 300), (KV, 300)))
-    out, _ = attention(None, q, k, v, None, scaling=DIM**-0.5, prefill_rows=[(300, 260)])
+    out, _ = attention(None, q, k, v, None, scaling=DIM**-0.5, prefill=[(0, 40, 260)])
     torch.testing.assert_close(out[0], _sdpa(q, k, v, causal(40, 300, 300, q.device))[0].transpose(0, 1))
 
 
@@ -96,16 +93,17 @@ def test_a_decode_row_is_bitwise_the_same_alone_and_among_rows_of_other_lengths(
         assert torch.equal(attend(q, k, v, mask, DIM**-0.5)[pos], ref[0])
 
 
-def test_prefill_rows_are_bitwise_what_each_prompt_gives_alone():
+def test_packed_prompts_are_bitwise_what_each_prompt_gives_alone():
     g = torch.Generator().manual_seed(2)
     lengths = [5, 31, 12, 70]
-    width = max(lengths)
-    q, k, v = (torch.randn(4, h, width, DIM, generator=g) for h in (HEADS, KV, KV))
-    batched, _ = attention(None, q, k, v, None, scaling=DIM**-0.5, prefill_rows=[(n, n) for n in lengths])
-    for i, n in enumerate(lengths):  # left-padded: row i is its last n columns
-        alone, _ = attention(None, q[i : i + 1, :, width - n :], k[i : i + 1, :, width - n :],
-                             v[i : i + 1, :, width - n :], None, scaling=DIM**-0.5, prefill_rows=[(n, n)])  # fmt: skip
-        assert torch.equal(batched[i, width - n :], alone[0])
+    q, k, v = (torch.randn(1, h, sum(lengths), DIM, generator=g) for h in (HEADS, KV, KV))
+    packed, _ = attention(None, q, k, v, None, scaling=DIM**-0.5, prefill=[(0, 0, n) for n in lengths])
+    start = 0
+    for n in lengths:  # side by side: prompt i is the n columns after the ones before it
+        alone, _ = attention(None, *(t[:, :, start : start + n] for t in (q, k, v)), None, scaling=DIM**-0.5,
+                             prefill=[(0, 0, n)])  # fmt: skip
+        assert torch.equal(packed[0, start : start + n], alone[0])
+        start += n
 
 
 def _w8a8_with_adapters(tmp_path) -> PeftModel:
@@ -160,7 +158,7 @@ def test_on_a_w8a8_base_each_requests_logits_are_bitwise_its_own_in_any_batch(tm
 
         return emit
 
-    for i in range(len(again) - 1):  # at once: prefilled together, left-padded to the longest
+    for i in range(len(again) - 1):  # at once: prefilled together, side by side in one row
         engine.submit(again[i], listener(i))
     assert started.wait(60)
     engine.submit(again[-1], listener(len(again) - 1))  # joins the running batch

@@ -167,11 +167,11 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_keeps_serving(engine
     real = engine._forward
     calls = {"n": 0}
 
-    def flaky(*args):
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("device lost")
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "_forward", flaky)
     failed = wait_for(engine, GenRequest(_ids("abc"), max_tokens=5, temperature=0))
@@ -234,10 +234,10 @@ def test_a_failed_prefill_fails_only_its_request_and_each_failure_is_told_once(e
         threading.Event().wait(0.01)
     real = engine._forward
 
-    def failing_prefill(ids, *args):
+    def failing_prefill(ids, *args, **kwargs):
         if ids.shape[1] > 1:
             raise RuntimeError("bad adapter")
-        return real(ids, *args)
+        return real(ids, *args, **kwargs)
 
     monkeypatch.setattr(engine, "_forward", failing_prefill)
     parts: list[Event] = []
@@ -257,11 +257,11 @@ def test_a_failed_decode_step_tells_each_request_once(engine, monkeypatch):
     real = engine._forward
     calls = {"n": 0}
 
-    def failing_step(ids, *args):
+    def failing_step(ids, *args, **kwargs):
         calls["n"] += 1
         if ids.shape[1] == 1 and calls["n"] > 3:
             raise RuntimeError("device lost")
-        return real(ids, *args)
+        return real(ids, *args, **kwargs)
 
     monkeypatch.setattr(engine, "_forward", failing_step)
     events: dict[int, list[Event]] = {0: [], 1: []}
@@ -377,8 +377,9 @@ def test_a_burst_of_short_prompts_is_prefilled_in_one_forward_idle_or_not(monkey
     stream = engine.submit(GenRequest(_ids("abc"), max_tokens=300, temperature=0), lambda e: None)
     while not stream.ids:
         threading.Event().wait(0.01)
-    gate = threading.Event()
-    engine.call(lambda: gate.wait(10))
+    gate, held = threading.Event(), threading.Event()
+    engine.call(lambda: (held.set(), gate.wait(10)))
+    assert held.wait(10)  # the engine waits in the call: the four arrive before its next turn, not part way through it
     later = [engine.submit(GenRequest(_ids(p), max_tokens=1, temperature=0), lambda e: None) for p in prompts]
     prefills.clear()
     gate.set()

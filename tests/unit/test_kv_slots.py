@@ -4,6 +4,7 @@ import torch
 
 from raylora import kv_slots
 from raylora.kv_slots import Slots
+from raylora.ops.engine_attention import BLOCK
 
 LAYERS, HEADS, DIM = 2, 3, 4
 
@@ -37,12 +38,12 @@ def test_rows_join_step_and_leave_with_each_row_keeping_its_own_values():
 
     mask, positions = slots.step()
     assert positions[:, 0].tolist() == [5, 2, 7]
-    assert mask.shape == (3, 1, 1, 16)  # a whole block of columns, as the engine's attention reads them
+    assert mask.shape == (3, 1, 1, BLOCK)  # a whole block of columns, as the engine's attention reads them
     assert mask[:, 0, 0].sum(1).tolist() == [6, 3, 8]  # its own tokens and the one it writes now
     new = [torch.full((3, HEADS, 1, DIM), float(layer + 1)) for layer in range(LAYERS)]
     for layer in range(LAYERS):
         k, v = slots.update(new[layer], -new[layer], layer)
-        assert k.shape == (3, HEADS, 16, DIM)
+        assert k.shape == (3, HEADS, BLOCK, DIM)
         assert torch.equal(k[1, :, 2], new[layer][1, :, 0]) and torch.equal(v[2, :, 7], -new[layer][2, :, 0])
     slots.stepped()
     assert slots.lengths == [6, 3, 8]
@@ -66,18 +67,19 @@ def test_growing_past_a_block_and_shrinking_back_keep_every_value(monkeypatch):
     keys, values = _prefill([3, 3], seed=1)
     slots.add(keys, values, 0, 0, 3)
     slots.add(keys, values, 1, 0, 3)
-    for _ in range(70):  # columns grow in steps of 4 past 80 as the rows reach 73 tokens
+    steps = 4 * BLOCK + 8  # columns grow in steps of 4 as the rows reach 3 + steps tokens
+    for _ in range(steps):
         slots.step()
         for layer in range(LAYERS):
             slots.update(torch.ones(2, HEADS, 1, DIM), torch.ones(2, HEADS, 1, DIM), layer)
         slots.stepped()
-    assert slots.keys[0].shape[2] >= 80  # the step reads whole blocks of 16 columns
+    assert slots.keys[0].shape[2] >= 3 + steps
     assert torch.equal(slots.keys[1][0, :, :3], keys[1][0]) and torch.equal(slots.values[0][1, :, :3], values[0][1])
-    assert torch.equal(slots.keys[0][1, :, 3:73], torch.ones(HEADS, 70, DIM))
+    assert torch.equal(slots.keys[0][1, :, 3 : 3 + steps], torch.ones(HEADS, steps, DIM))
     short, _ = _prefill([2], seed=2)
     slots.add(short, short, 0, 0, 2)
     slots.remove(0)  # the short row moves into row 0
     slots.remove(1)  # left: the short row only, far below the columns held
     slots.step()
-    assert slots.lengths == [2] and slots.keys[0].shape[2] <= 32  # shrunk to twice the block it reads
+    assert slots.lengths == [2] and slots.keys[0].shape[2] <= 2 * BLOCK  # shrunk to twice the block it reads
     assert torch.equal(slots.keys[1][0, :, :2], short[1][0])
