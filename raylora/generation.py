@@ -373,17 +373,22 @@ class Engine:
         """Sample the first token of freshly prefilled ``seqs`` (each holding its prompt's keys and values); the
         unfinished ones join the running batch."""
         tokens = self._sample(logits, seqs)
+        if self._cache is None:
+            self._cache = Slots()
+        like = seqs[0].cache.layers[0].keys
+        self._cache.reserve(len(self._running) + len(seqs), max(len(s.req.prompt_ids) for s in seqs) + 1, like,
+                            len(seqs[0].cache.layers))  # fmt: skip
         joined = []
         for i, (seq, token) in enumerate(zip(seqs, tokens[:, 0].tolist(), strict=True)):
             cache, seq.cache = seq.cache, None
             if seq.cancelled or self._advance(seq, token):
                 continue
-            if self._cache is None:
-                self._cache = Slots()
             keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
             self._cache.add(keys, values, 0, 0, len(seq.req.prompt_ids))
             self._running.append(seq)
             joined.append(i)
+        if not self._running:
+            self._cache = None
         if not joined:
             return
         tokens = tokens[joined]

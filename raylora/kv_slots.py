@@ -41,7 +41,7 @@ class Slots:
         """Append a sequence: columns ``start .. start + count`` of row ``row`` of per-layer (batch, kv heads, columns,
         head dim) ``keys`` and ``values`` (a prefill's cache)."""
         n = len(self.lengths)
-        self._reserve(n + 1, count + 1, keys[0], len(keys))
+        self.reserve(n + 1, count + 1, keys[0], len(keys))
         for own, theirs in zip(self.keys + self.values, keys + values, strict=True):
             own[n, :, :count] = theirs[row, :, start : start + count]
         self.lengths.append(count)
@@ -62,7 +62,10 @@ class Slots:
         :data:`~raylora.ops.engine_attention.BLOCK`."""
         at = torch.tensor(self.lengths)
         self._width = _ceil(max(self.lengths) + 1, BLOCK)  # whole blocks: the engine's attention reads them so
-        self._reserve(len(self.lengths), self._width, self.keys[0], len(self.keys))
+        self.reserve(len(self.lengths), self._width, self.keys[0], len(self.keys))
+        have_rows, have_columns = self._shape()
+        if have_columns >= 4 * self._width + COLUMNS:  # far longer than the longest row left: shrink
+            self._resize(have_rows, _ceil(2 * self._width, COLUMNS), self.keys[0], len(self.keys))
         device = self.keys[0].device
         self._rows, self._at = torch.arange(len(self.lengths), device=device), at.to(device)  # every layer writes there
         mask = torch.arange(self._width)[None, :] <= at[:, None]
@@ -80,20 +83,20 @@ class Slots:
         self.values[layer][self._rows, :, self._at] = values[:, :, 0]
         return self.keys[layer][:n, :, : self._width], self.values[layer][:n, :, : self._width]
 
-    def _reserve(self, rows: int, columns: int, like: torch.Tensor, layers: int) -> None:
-        """Make room for ``rows`` rows of ``columns`` columns in ``layers`` layers shaped and typed like ``like``: grow
-        to whole blocks (a spare block of columns), or shrink when over four times longer than needed."""
-        columns = max(columns, max(self.lengths, default=0) + 1)
-        have_rows, have_columns = (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
-        if columns > have_columns:
-            new_columns = _ceil(columns, COLUMNS) + COLUMNS
-        elif have_columns >= 4 * columns + COLUMNS:
-            new_columns = _ceil(2 * columns, COLUMNS)
-        elif rows <= have_rows:
-            return
-        else:
-            new_columns = have_columns
-        shape = (max(have_rows, _ceil(rows, ROWS)), like.shape[1], new_columns, like.shape[3])
+    def reserve(self, rows: int, columns: int, like: torch.Tensor, layers: int) -> None:
+        """Make room for ``rows`` rows of ``columns`` columns in ``layers`` layers shaped and typed like ``like``, growing
+        to whole blocks (a spare block of columns). The engine reserves for the sequences a prefill adds together
+        before adding them: one reallocation, not one per :data:`ROWS` of them."""
+        have_rows, have_columns = self._shape()
+        if rows > have_rows or columns > have_columns:
+            grown = _ceil(columns, COLUMNS) + COLUMNS if columns > have_columns else have_columns
+            self._resize(max(have_rows, _ceil(rows, ROWS)), grown, like, layers)
+
+    def _shape(self) -> tuple[int, int]:
+        return (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+
+    def _resize(self, rows: int, columns: int, like: torch.Tensor, layers: int) -> None:
+        shape = (rows, like.shape[1], columns, like.shape[3])
         n, length = len(self.lengths), max(self.lengths, default=0)
         for name in ("keys", "values"):
             old = getattr(self, name)

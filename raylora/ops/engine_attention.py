@@ -8,8 +8,8 @@ into other int8 activations, so a greedy answer could differ between `raylora ev
 
 - a decode step (one query per row) computes scores, softmax and the weighted values with plain matmuls over keys
   padded to whole blocks of :data:`BLOCK` columns (the engine's cache hands them so, :mod:`raylora.kv_slots`), the
-  weighted values summed a block at a time: a row's sums then run over the same columns in the same order whatever
-  the batch (none of 400 such cases differ; unpadded, a quarter did);
+  weighted values summed :data:`SUM_KEYS` keys at a time: a row's sums then run over the same columns in the same
+  order whatever the batch (none of 600 such cases differ; unpadded, a quarter did);
 - a prefill computes each prompt on its own: its queries over its own keys (``prefill``), tiled from its first
   position, shaped exactly as if it were alone.
 
@@ -34,13 +34,15 @@ from torch import nn
 from transformers import AttentionInterface
 
 NAME = "raylora_engine"
-# Keys are attended in whole blocks of this many columns, and the weighted values summed a block at a time, the blocks'
-# sums added in order: a row's result then does not depend on the batch's width. Softmax needs whole blocks of 8 or more
-# (4: 8 of 320 cases differed); one matmul over all the columns gave a row's output other last bits when the batch was
-# wider on one of the 2-core machines here (1 of 40 cases: MKL splits a long sum by its length), none in 400 cases by
-# blocks of 32 (nor 16, nor 64) on it. 32: the padding wastes 16 columns on average, and a layer adds as many block
-# sums as its keys have blocks.
-BLOCK = 32
+# Keys are attended in whole blocks of this many columns: padded to whole blocks of 8 or more, a row's result no longer
+# depended on the batch's width on this machine's 16-float vectors (4: 8 of 320 cases differed); 16, one AVX-512
+# vector, for margin.
+BLOCK = 16
+# The weighted values are summed over at most this many keys per matmul, the sums added in order: on one of the 2-core
+# machines here, MKL splits a longer sum (between 384 and 512 terms) in a way that depends on its length, so one matmul
+# over all the keys gave a row other last bits beside wider rows (76 of 300 cases, contexts up to 1,100 keys); by
+# sums of 256, none of 600 (nor by 384).
+SUM_KEYS = 256
 QUERY_TILE = 256  # a prefill's queries computed at a time (bounds its scores' memory)
 
 
@@ -69,12 +71,11 @@ def attend(
     # the query scaled first: a float16 product of unscaled queries and keys can overflow
     scores = torch.matmul((query * scale).reshape(b, kv, group * q, d), key.transpose(-1, -2))
     scores = scores.view(b, kv, group, q, width).masked_fill_(~mask[:, :, None], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).view(b, kv, group * q, width // BLOCK, BLOCK).transpose(2, 3)
-    sums = torch.matmul(probs, value.view(b, kv, width // BLOCK, BLOCK, d))  # (b, kv, blocks, group * q, d)
-    out = sums[:, :, 0]
-    for block in range(1, width // BLOCK):  # in order, whatever the width: zero blocks past a row's keys add nothing
-        out = out + sums[:, :, block]
-    return out.reshape(b, h, q, d)
+    probs = torch.softmax(scores, dim=-1).view(b, kv, group * q, width)
+    out = torch.matmul(probs[..., :SUM_KEYS], value[:, :, :SUM_KEYS])
+    for start in range(SUM_KEYS, width, SUM_KEYS):  # in order; keys past a row's own add zeros
+        out = out + torch.matmul(probs[..., start : start + SUM_KEYS], value[:, :, start : start + SUM_KEYS])
+    return out.view(b, h, q, d)
 
 
 def causal(start: int, end: int, width: int, device: torch.device) -> torch.Tensor:

@@ -80,12 +80,18 @@ def test_the_shipped_serving_config_quantises_smollm2_and_still_answers(root, mo
     event = wait_for(engine, GenRequest(ids, None, 96, 0, 1.0, (), None, constraint))
     [call] = split_calls(event.text, {"get_weather"})[1]
     jsonschema.validate(json.loads(call["function"]["arguments"]), weather["function"]["parameters"])
+    # a JSON schema whose every value is bounded: "any JSON object" let one CPU's greedy answer write a number's digits
+    # until max_tokens ({"name": "Paris", "population": 11.1988888...), where another's closed it
     question = [{"role": "user", "content": "Give the capital of France as a JSON object."}]
     ids = tokenizer(encoder.render(question, add_generation_prompt=True), add_special_tokens=False).input_ids
-    constraint = grammars.start(grammar({"type": "json_object"}, None, "none", None, True))
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 40}}, "required": ["capital"],
+              "additionalProperties": False}  # fmt: skip
+    constraint = grammars.start(grammar({"type": "json_schema", "json_schema": {"schema": schema}}, None, "none", None,
+                                        True))  # fmt: skip
     event = wait_for(engine, GenRequest(ids, None, 96, 0, 1.0, (), None, constraint))
     engine.stop()
-    assert event.finish_reason == "stop" and isinstance(json.loads(event.text), dict)
+    assert event.finish_reason == "stop", event.text
+    jsonschema.validate(json.loads(event.text), schema)
 
 
 def test_piecewise_tokenisation_matches_the_smollm2_tokenizer_on_the_shared_samples():

@@ -83,3 +83,14 @@ def test_growing_past_a_block_and_shrinking_back_keep_every_value(monkeypatch):
     slots.step()
     assert slots.lengths == [2] and slots.keys[0].shape[2] <= 2 * BLOCK  # shrunk to twice the block it reads
     assert torch.equal(slots.keys[1][0, :, :2], short[1][0])
+
+
+def test_rows_reserved_together_are_added_without_reallocating():
+    slots = Slots()
+    keys, values = _prefill([5] * 20, seed=3)
+    slots.reserve(20, 6, keys[0], LAYERS)
+    held = slots.keys[0]
+    for row in range(20):
+        slots.add(keys, values, row, 0, 5)
+    assert slots.keys[0] is held and held.shape[0] >= 20
+    assert all(torch.equal(slots.keys[1][row, :, :5], keys[1][row]) for row in range(20))
