@@ -293,7 +293,7 @@ class Engine:
         mixed = not hasattr(self.model, "peft_config") or lora.stacked(self.model)
         chunk, tokens = [], 0
         for seq in self._prefilling:
-            if self._long(seq) or not (mixed or not chunk or seq.req.adapter == chunk[0].req.adapter):
+            if self._long(seq) or (chunk and not mixed and seq.req.adapter != chunk[0].req.adapter):
                 continue
             tokens += len(seq.req.prompt_ids) - seq.prefilled
             if tokens > budget:
@@ -485,14 +485,9 @@ class _Row:
 
 def _row(cache, held_at: int, held: int, new_at: int, count: int, past: int) -> _Row:
     """One prompt of a packed prefill from its ``cache``: the ``held`` columns it held from ``held_at`` among the
-    ``past`` columns given before the forward, then its ``count`` new ones from ``new_at`` after them (views when it
-    held none)."""
-    layers = []
-    for layer in cache.layers:
-        pieces = [(t[:, :, held_at : held_at + held], t[:, :, past + new_at : past + new_at + count])
-                  for t in (layer.keys, layer.values)]  # fmt: skip
-        layers.append(_Layer(*(torch.cat(p, dim=2) if held else p[1] for p in pieces)))
-    return _Row(layers)
+    ``past`` columns given before the forward, then its ``count`` new ones from ``new_at`` after them."""
+    return _Row([_Layer(*(engine_attention.prompt_columns(t, held_at, held, past + new_at, count)
+                          for t in (layer.keys, layer.values))) for layer in cache.layers])  # fmt: skip
 
 
 def _top_p_sample(logits: torch.Tensor, top_p: float, generator: torch.Generator) -> int:

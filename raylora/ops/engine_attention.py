@@ -135,12 +135,20 @@ def engine_attention(
     else:
         past, start, parts = key.shape[2] - query.shape[2], 0, []
         for held_at, held, count in prefill:
-            keys, values = (torch.cat([t[:, :, held_at : held_at + held], t[:, :, past + start : past + start + count]],
-                                      dim=2) for t in (key, value))  # fmt: skip
+            keys, values = (prompt_columns(t, held_at, held, past + start, count) for t in (key, value))
             parts.append(prefill_row(query[:, :, start : start + count], keys, values, scale))
             start += count
         out = torch.cat(parts, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def prompt_columns(t: torch.Tensor, held_at: int, held: int, new_at: int, count: int) -> torch.Tensor:
+    """One prompt's columns of a packed prefill's keys or values ``t`` (batch 1, dim 2 the columns): the ``held`` from
+    ``held_at``, then the ``count`` new ones from ``new_at``; a view when they are adjacent (a prompt that held none,
+    or one prompt's next chunk), else a copy."""
+    if not held or held_at + held == new_at:
+        return t[:, :, new_at - held : new_at + count]
+    return torch.cat([t[:, :, held_at : held_at + held], t[:, :, new_at : new_at + count]], dim=2)
 
 
 # No mask function is registered with it: transformers then builds no mask for it (a decode step hands its own).
