@@ -63,9 +63,11 @@ def test_the_shipped_serving_config_quantises_smollm2_and_still_answers(root, mo
     ids = tokenizer(encoder.render(question, add_generation_prompt=True), add_special_tokens=False).input_ids
     engine = Engine(model, tokenizer, 4, 0)
     answer = wait_for(engine, GenRequest(ids, max_tokens=16, temperature=0))
-    assert "France" in answer.text and answer.completion_tokens == 16
-    # its first words differ between CPUs here ("The capital of France is Paris." on one, "L'Étoile ... is the capital of
-    # France" on another: the fp32 model's two likeliest first tokens), the fact does not
+    # its words differ between CPUs ("The capital of France is Paris, France." and its end of turn after 9 tokens on one,
+    # "L'Étoile ... is the capital of France" cut at 16 on another: the fp32 model's two likeliest first tokens are
+    # close), the topic and the fact do not
+    assert "France" in answer.text and 0 < answer.completion_tokens <= 16
+    assert answer.finish_reason == ("length" if answer.completion_tokens == 16 else "stop")
     stem = tokenizer(encoder.render(question, add_generation_prompt=True) + "The capital of France is",
                      add_special_tokens=False, return_tensors="pt").input_ids  # fmt: skip
     with torch.no_grad():

@@ -139,7 +139,7 @@ def test_a_member_that_leaves_leaves_the_others_bit_identical(grouped):
 def test_dropout_masks_are_each_members_own():
     """With dropout, a member alone and the same member beside another draw the same masks: same numbers. One lane:
     in two, a member alone runs its kernels on both threads and beside another on one, and MKL's sums are not
-    bit-identical across thread counts (two lanes against one are held to 1e-5 below)."""
+    bit-identical across thread counts (two lanes against one are held to tolerances below)."""
     alone, pair = Group(_cfg(), _shard(_rows()), None, lanes=1), Group(_cfg(), _shard(_rows()), None, lanes=1)
     alone.join("ma", _cfg("ma", lora_dropout=0.2))
     for name in ("mb", "ma"):
@@ -170,9 +170,12 @@ def test_lanes_run_members_on_threads_of_their_own_and_change_no_number():
         assert ours.keys() == theirs.keys()
         for key in {"loss", "grad_norm", "eval_loss"} & theirs.keys():
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+    # Adam moves each weight by about lr * m / sqrt(v): where an element's gradient is near zero (a sum that cancels),
+    # the last bits MKL's thread count changes become a visible fraction of lr (found: 1 element of 512 off by 4.6e-5
+    # after 3 steps at lr 1e-2 on a second machine), so weights are held to 1% of the smallest lr
     for name in ("ma", "mb", "mc"):
         for key, value in _weights(single.model, name).items():
-            torch.testing.assert_close(_weights(lanes.model, name)[key], value, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(_weights(lanes.model, name)[key], value, atol=1e-4, rtol=1e-5)
 
 
 def test_siblings_share_each_members_down_projection_and_dropout_mask(monkeypatch):
