@@ -71,3 +71,21 @@ def test_a_quantised_base_leaves_no_weight_in_the_checkpoints_memory_map(tmp_pat
     model, _, summary = load_serving_model(from_dict({**served, "serve": {"quantization": "w8a8"}}))
     assert summary["method"] == "w8a8" and not mapped()
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 7 + 1
+
+
+def test_a_base_on_the_float_kernel_says_so_when_it_loads(monkeypatch, caplog):
+    """Where torch._int_mm loses the timed probe (no VNNI or AMX), the replica's log says that the int8 base runs at
+    float32's speed there and that an unquantised one serves as fast with less memory."""
+    import raylora.ops.int8
+
+    cfg = from_dict({"model": {"name_or_path": "tiny-llama"}, "serve": {"quantization": "w8a8"},
+                     "backend": {"device": "cpu"}})  # fmt: skip
+    said = {}
+    for kernel in ("torch._int_mm", "float32 matmul"):
+        monkeypatch.setattr(raylora.ops.int8, "_selected", {"cpu": kernel})
+        caplog.clear()
+        load_serving_model(cfg)
+        said[kernel] = [r.getMessage() for r in caplog.records if r.name == "ray.serve"]
+    assert said["torch._int_mm"] == []
+    (message,) = said["float32 matmul"]
+    assert "float32 matmuls of the int8 values" in message and "serve.quantization: none serves as fast" in message

@@ -1,0 +1,132 @@
+"""Which int8 matmul the W8A8 base runs: the kernel raylora selects on this CPU against ``torch._int_mm`` (the one it
+always used before the choice was timed), in the serving engine and alone.
+
+The engine, in this process, on SmolLM2-135M-Instruct as `raylora serve` loads it (W8A8 SmoothQuant, 2 engine
+threads) with --adapters random rank-8 attention adapters (bench/serve.py's) stacked as the adapter bank stacks them,
+each int8 kernel of raylora.ops.int8.INT8_MATMUL_KERNELS forced in turn (every kernel gives the same numbers: the
+answers are compared):
+  b1       one request, --tokens greedy tokens, no adapter
+  b16      16 alpaca questions, --tokens / 2 tokens each, batch 16, no adapter
+  mix64    64 alpaca questions, adapters round-robin, --tokens / 4 tokens each, batch 64 (an eval actor's workload)
+then each kernel alone on the model's matmul shapes (576 wide: fused q/k/v 960, MLP down 1536 -> 576, LM head 49,152)
+at 1, 16 and 64 rows. Short workloads: torch._int_mm without VNNI decodes about 10 tokens/s.
+
+    .venv/bin/python bench/int8_kernel.py [--adapters 4] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serve import LONG_ANSWER, _config, make_adapters, questions  # noqa: E402
+
+BASELINE = "torch._int_mm"
+SHAPES = ((576, 960), (1536, 576), (576, 49152))
+
+
+def workloads(model, tokenizer, names: list[str], tokens: int) -> dict:
+    from raylora.generation import Engine, GenRequest, run_all
+
+    def ids(messages):
+        return list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+
+    asked = [ids(m) for m in questions(64)]
+
+    def run(batch: int, reqs: list) -> tuple[float, list[str]]:
+        engine = Engine(model, tokenizer, batch, 0, 2, 64)
+        try:
+            started = time.perf_counter()
+            events = run_all(engine, reqs)
+            return sum(e.completion_tokens for e in events) / (time.perf_counter() - started), [e.text for e in events]
+        finally:
+            engine.stop()
+
+    long = ids([{"role": "user", "content": LONG_ANSWER}])
+    return {
+        "b1": lambda: run(1, [GenRequest(long, None, max_tokens=tokens, temperature=0)]),
+        "b16": lambda: run(16, [GenRequest(q, None, max_tokens=tokens // 2, temperature=0) for q in asked[:16]]),
+        "mix64": lambda: run(
+            64,
+            [GenRequest(q, names[i % len(names)], max_tokens=tokens // 4, temperature=0) for i, q in enumerate(asked)],
+        ),
+    }
+
+
+def matmul_ms(kernel, rows: int, k: int, n: int, repeats: int = 5) -> float:
+    import torch
+
+    a = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+    b = kernel.prepare(torch.randint(-127, 128, (n, k), dtype=torch.int8))
+    kernel.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        kernel.matmul(a, b)
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    import torch
+    from peft import PeftModel
+
+    import raylora.ops.int8 as int8
+    from raylora.generation import on_passing_thread
+    from raylora.ops.lora import stack_adapters
+    from raylora.serve.replica import load_serving_model
+
+    cfg = _config("float32", 16, "w8a8-smoothquant")
+    base, tokenizer, _ = on_passing_thread(lambda: load_serving_model(cfg), 2)
+    selected = int8.int8_matmul_kernel(torch.device("cpu"))
+    print(f"selected on this CPU: {selected} (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
+    root = Path(tempfile.mkdtemp(prefix="raylora-int8-kernel-"))
+    names = make_adapters(root, args.adapters)
+    model = PeftModel.from_pretrained(base, str(root / names[0]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(str(root / name), adapter_name=name)
+    model.eval()
+    stack_adapters(model)  # as the serving adapter bank and an eval actor do
+    runs = workloads(model, tokenizer, names, args.tokens)
+    kernels = [selected, *(k for k in int8.INT8_MATMUL_KERNELS if k != selected)]
+    rates: dict[str, dict[str, float]] = {}
+    answers: dict[str, dict[str, list[str]]] = {}
+    for kernel in kernels:
+        int8._selected["cpu"] = kernel
+        rates[kernel], answers[kernel] = {}, {}
+        for work, run in runs.items():
+            rates[kernel][work], answers[kernel][work] = on_passing_thread(run, 2)
+            print(f"{kernel:15} {work:5} {rates[kernel][work]:7.1f} tok/s", flush=True)
+    int8._selected["cpu"] = selected
+    print(f"\n| workload | {' tok/s | '.join(kernels)} tok/s | {selected} / {BASELINE} | same answers |")
+    print("|---|" + "---|" * (len(kernels) + 2))
+    for work in runs:
+        same = all(answers[k][work] == answers[selected][work] for k in kernels)
+        cells = " | ".join(f"{rates[k][work]:.1f}" for k in kernels)
+        print(f"| {work} | {cells} | {rates[selected][work] / rates[BASELINE][work]:.2f}x | {same} |")
+    torch.set_num_threads(2)
+    print(f"\n| matmul (rows x in -> out) | {' ms | '.join(kernels)} ms |\n|---|" + "---|" * len(kernels))
+    for k, n in SHAPES:
+        for rows in (1, 16, 64):
+            cells = " | ".join(f"{matmul_ms(int8.INT8_MATMUL_KERNELS[kn], rows, k, n):.2f}" for kn in kernels)
+            print(f"| {rows} x {k} -> {n} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
