@@ -1,10 +1,11 @@
-"""Which int8 matmul the W8A8 base runs: the kernel raylora selects on this CPU against ``torch._int_mm`` (the one it
-always used before the choice was timed), in the serving engine and alone.
+"""Which int8 matmul the W8A8 base runs: the kernels raylora selects on this CPU (the fastest exact one at 1 row, for
+calls of fewer than FEW_ROWS rows, and at 16) against ``torch._int_mm`` for every call (what it always used before
+the choice was timed), in the serving engine and alone.
 
 The engine, in this process, on SmolLM2-135M-Instruct as `raylora serve` loads it (W8A8 SmoothQuant, 2 engine
-threads) with --adapters random rank-8 attention adapters (bench/serve.py's) stacked as the adapter bank stacks them,
-each int8 kernel of raylora.ops.int8.INT8_MATMUL_KERNELS forced in turn (every kernel gives the same numbers: the
-answers are compared):
+threads) with --adapters random rank-8 attention adapters (bench/serve.py's) stacked as the adapter bank stacks them:
+the selected kernels, then each kernel of raylora.ops.int8.INT8_MATMUL_KERNELS for every call (every kernel gives the
+same numbers: the answers are compared):
   b1       one request, --tokens greedy tokens, no adapter
   b16      16 alpaca questions, --tokens / 2 tokens each, batch 16, no adapter
   mix64    64 alpaca questions, adapters round-robin, --tokens / 4 tokens each, batch 64 (an eval actor's workload)
@@ -68,12 +69,12 @@ def matmul_ms(kernel, rows: int, k: int, n: int, repeats: int = 5) -> float:
     import torch
 
     a = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
-    b = kernel.prepare(torch.randint(-127, 128, (n, k), dtype=torch.int8))
-    kernel.matmul(a, b)
+    b = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()
+    kernel(a, b)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        kernel.matmul(a, b)
+        kernel(a, b)
         best = min(best, time.perf_counter() - started)
     return best * 1e3
 
@@ -94,8 +95,11 @@ def main() -> None:
 
     cfg = _config("float32", 16, "w8a8-smoothquant")
     base, tokenizer, _ = on_passing_thread(lambda: load_serving_model(cfg), 2)
-    selected = int8.int8_matmul_kernel(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    selected = int8._kernels(cpu)
     print(f"selected on this CPU: {selected} (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
+    choices = {"selected": dict(int8._selected)}
+    choices.update({k: dict.fromkeys([("cpu", True), ("cpu", False)], k) for k in int8.INT8_MATMUL_KERNELS})
     root = Path(tempfile.mkdtemp(prefix="raylora-int8-kernel-"))
     names = make_adapters(root, args.adapters)
     model = PeftModel.from_pretrained(base, str(root / names[0]), adapter_name=names[0])
@@ -104,22 +108,24 @@ def main() -> None:
     model.eval()
     stack_adapters(model)  # as the serving adapter bank and an eval actor do
     runs = workloads(model, tokenizer, names, args.tokens)
-    kernels = [selected, *(k for k in int8.INT8_MATMUL_KERNELS if k != selected)]
     rates: dict[str, dict[str, float]] = {}
     answers: dict[str, dict[str, list[str]]] = {}
-    for kernel in kernels:
-        int8._selected["cpu"] = kernel
-        rates[kernel], answers[kernel] = {}, {}
+    for choice, table in choices.items():
+        int8._selected.clear()
+        int8._selected.update(table)
+        rates[choice], answers[choice] = {}, {}
         for work, run in runs.items():
-            rates[kernel][work], answers[kernel][work] = on_passing_thread(run, 2)
-            print(f"{kernel:15} {work:5} {rates[kernel][work]:7.1f} tok/s", flush=True)
-    int8._selected["cpu"] = selected
-    print(f"\n| workload | {' tok/s | '.join(kernels)} tok/s | {selected} / {BASELINE} | same answers |")
-    print("|---|" + "---|" * (len(kernels) + 2))
+            rates[choice][work], answers[choice][work] = on_passing_thread(run, 2)
+            print(f"{choice:15} {work:5} {rates[choice][work]:7.1f} tok/s", flush=True)
+    int8._selected.clear()
+    int8._selected.update(choices["selected"])
+    print(f"\n| workload | {' tok/s | '.join(choices)} tok/s | selected / {BASELINE} | same answers |")
+    print("|---|" + "---|" * (len(choices) + 2))
     for work in runs:
-        same = all(answers[k][work] == answers[selected][work] for k in kernels)
-        cells = " | ".join(f"{rates[k][work]:.1f}" for k in kernels)
-        print(f"| {work} | {cells} | {rates[selected][work] / rates[BASELINE][work]:.2f}x | {same} |")
+        same = all(answers[c][work] == answers["selected"][work] for c in choices)
+        cells = " | ".join(f"{rates[c][work]:.1f}" for c in choices)
+        print(f"| {work} | {cells} | {rates['selected'][work] / rates[BASELINE][work]:.2f}x | {same} |")
+    kernels = list(int8.INT8_MATMUL_KERNELS)
     torch.set_num_threads(2)
     print(f"\n| matmul (rows x in -> out) | {' ms | '.join(kernels)} ms |\n|---|" + "---|" * len(kernels))
     for k, n in SHAPES:

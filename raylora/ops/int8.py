@@ -22,16 +22,15 @@ without casting them to the base dtype. Not supported on the quantised base: mer
 and DoRA (both read ``weight`` as floats).
 
 The int8 matmul is the fastest exact kernel of :data:`INT8_MATMUL_KERNELS` on the CPU it runs on: ``torch._int_mm``
-where the CPU has int8 dot-product instructions (VNNI, AMX), else a float32 matmul of the int8 values, which gives the
-same numbers (every product and sum is an integer float32 holds exactly) at float32's speed; an AVX2-only CPU runs
-``torch._int_mm`` 10-50x slower than that.
+where the CPU has int8 dot-product instructions (VNNI, AMX); without them, for calls of :data:`FEW_ROWS` rows or more,
+a float32 matmul of the int8 values, which gives the same numbers (every product and sum is an integer float32 holds
+exactly) and is 5-20x faster there from 4 rows, holding no second copy of a weight.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,46 +46,42 @@ _MIN_SCALE = 1e-8
 _MIN_ABSMAX = 1e-5
 
 
-class Int8Kernel(NamedTuple):
-    """An int8 matmul: ``prepare`` turns an int8 ``(out_features, in_features)`` weight into the operand ``matmul``
-    reads (a layer holds it, made once), ``matmul`` takes int8 ``(tokens, in_features)`` activations and that operand
-    and returns the exact integer products ``(tokens, out_features)`` (int32, or float32 holding integers)."""
-
-    prepare: Callable[[torch.Tensor], torch.Tensor]
-    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 def _float_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # Exact while every partial |sum| < 2**24 (always for K <= 1040; beyond, the rounding is ~6e-8 relative, far
-    # below int8 quantisation error): the same numbers as an integer kernel, in any order of summation.
-    return a.float() @ b
+    # below int8 quantisation error): the same numbers as an integer kernel, in any order of summation. Works on every
+    # device that has a float matmul; the weight's float32 copy lives for the call only.
+    return a.float() @ b.float()
 
 
-# Every kernel that runs and is exact on a probe is a candidate; on the CPU the fastest on a timed probe is used
-# (:func:`int8_matmul_kernel`), elsewhere the first. torch._int_mm: oneDNN on x86 CPUs, fast with VNNI or AMX and
-# 10-50x slower than float32 matmul without them (measured on an AVX2-only AMD EPYC: 18.4 ms against 0.76 ms for
-# 64 x 576 x 960), cuBLASLt on CUDA (there it needs M > 16). "float32 matmul" holds a float32 copy of each int8
-# weight (4 bytes a parameter, made at the layer's first forward pass) and multiplies the int8 activations as floats.
-INT8_MATMUL_KERNELS: dict[str, Int8Kernel] = {
-    "torch._int_mm": Int8Kernel(torch.Tensor.t, torch._int_mm),
-    "float32 matmul": Int8Kernel(lambda w: w.float().t(), _float_mm),
+# Every kernel that runs and is exact on a probe is a candidate (:func:`int8_matmul_kernel`). torch._int_mm: oneDNN on
+# x86 CPUs, fast with VNNI or AMX, 10-50x slower than a float32 matmul without them (an AVX2-only AMD EPYC: 16.6 ms
+# against 1.2 ms with the conversion for 64 x 576 -> 960), cuBLASLt on CUDA (there it needs M > 16).
+INT8_MATMUL_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "torch._int_mm": torch._int_mm,
+    "float32 matmul": _float_mm,
 }
-# The timed probe: a 16-row decode step of a 576-wide model's fused q/k/v projection.
-_PROBE = (16, 576, 960)
-_selected: dict[str, str] = {}
+# On the CPU, a call with fewer rows uses the kernel fastest at 1 row, others the one fastest at 16 (the float32
+# kernel converts the whole weight each call: at 1 row that costs more than the matmul, 69 against 16 ms for
+# SmolLM2's LM head on that EPYC).
+FEW_ROWS = 4
+# The timed probe: a 576-wide model's fused q/k/v projection.
+_PROBE = (576, 960)
+_selected: dict[tuple[str, bool], str] = {}  # (device type, fewer than FEW_ROWS rows) -> kernel name
 
 
-def int8_matmul_kernel(device: torch.device) -> str:
-    """Name of the int8 matmul kernel used on ``device``'s type (chosen once, on first use): of the kernels of
-    :data:`INT8_MATMUL_KERNELS` that run and are exact on a probe, the fastest on a timed probe on the CPU, the first
-    elsewhere (timing an accelerator needs its own synchronisation, and its first exact kernel is its integer one).
-    Every candidate gives the same numbers, so the choice changes speed only.
+def int8_matmul_kernel(device: torch.device, rows: int = 16) -> str:
+    """Name of the int8 matmul kernel for a call of ``rows`` rows on ``device``'s type (chosen once per device type
+    and side of :data:`FEW_ROWS`, on first use): of the kernels of :data:`INT8_MATMUL_KERNELS` that run and are exact
+    on a probe, the fastest on a timed probe (1 or 16 rows) on the CPU, the first elsewhere (timing an accelerator
+    needs its own synchronisation, and its first exact kernel is its integer one). Every candidate gives the same
+    numbers, so the choice changes speed only.
 
     Raises:
         RuntimeError: no kernel of :data:`INT8_MATMUL_KERNELS` runs on this device.
     """
-    if device.type in _selected:
-        return _selected[device.type]
+    key = (device.type, rows < FEW_ROWS)
+    if key in _selected:
+        return _selected[key]
     failures, exact = [], []
     gen = torch.Generator().manual_seed(0)
     for name, kernel in INT8_MATMUL_KERNELS.items():
@@ -101,19 +96,19 @@ def int8_matmul_kernel(device: torch.device) -> str:
             f"Supported kernels, in order: {', '.join(INT8_MATMUL_KERNELS)}; quantise for a device where one runs."
         )
     if device.type == "cpu" and len(exact) > 1:
-        exact.sort(key=lambda name: _seconds(INT8_MATMUL_KERNELS[name], gen))
-    _selected[device.type] = exact[0]
+        exact.sort(key=lambda name: _seconds(INT8_MATMUL_KERNELS[name], 1 if key[1] else 16, gen))
+    _selected[key] = exact[0]
     return exact[0]
 
 
-def _probe_failure(kernel: Int8Kernel, device: torch.device, gen: torch.Generator) -> str | None:
+def _probe_failure(kernel, device: torch.device, gen: torch.Generator) -> str | None:
     """Why ``kernel`` cannot serve on ``device`` (it fails, or is not exact on a probe), or None."""
     # M = 1 (decode) and M = 17 (prefill) cover the shape rules kernels have (cuBLASLt wants M > 16).
     for m in (1, 17):
         a = torch.randint(-127, 128, (m, 64), dtype=torch.int8, generator=gen).to(device)
         b = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=gen).to(device)
         try:
-            out = kernel.matmul(a, kernel.prepare(b))
+            out = kernel(a, b.t())
         except (RuntimeError, NotImplementedError) as exc:
             return str(exc).splitlines()[0]
         if not torch.equal(out.cpu().to(torch.int32), a.cpu().int() @ b.cpu().int().t()):
@@ -121,16 +116,16 @@ def _probe_failure(kernel: Int8Kernel, device: torch.device, gen: torch.Generato
     return None
 
 
-def _seconds(kernel: Int8Kernel, gen: torch.Generator, repeats: int = 5) -> float:
-    """Best of ``repeats`` timings of ``kernel`` on the :data:`_PROBE` shape, after one warm-up call."""
-    m, k, n = _PROBE
-    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
-    b = kernel.prepare(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen))
-    kernel.matmul(a, b)
+def _seconds(kernel, rows: int, gen: torch.Generator, repeats: int = 5) -> float:
+    """Best of ``repeats`` timings of ``kernel`` on ``rows`` rows of the :data:`_PROBE` shape, after a warm-up call."""
+    k, n = _PROBE
+    a = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=gen)
+    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen).t()
+    kernel(a, b)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        kernel.matmul(a, b)
+        kernel(a, b)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -168,7 +163,6 @@ def w8a8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
-    operand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T + b`` with int8 weights and per-token int8 activations, on the selected int8 kernel.
 
@@ -178,7 +172,6 @@ def w8a8_linear(
         weight_scale: ``(out_features,)`` per-output-channel scale.
         bias: ``(out_features,)`` or None.
         smooth: ``(in_features,)`` SmoothQuant input multiplier ``1/s``, or None.
-        operand: ``weight`` as the selected kernel reads it (:func:`matmul_operand`), or None to make it here.
     Returns:
         ``(tokens, out_features)`` in ``x.dtype``.
     """
@@ -186,8 +179,7 @@ def w8a8_linear(
     if smooth is not None:
         xf = xf * smooth
     xq, x_scale = quantize_per_token(xf)
-    kernel = INT8_MATMUL_KERNELS[int8_matmul_kernel(x.device)]
-    acc = kernel.matmul(xq, kernel.prepare(weight) if operand is None else operand)
+    acc = INT8_MATMUL_KERNELS[int8_matmul_kernel(x.device, xq.shape[0])](xq, weight.t())
     # Casting first keeps the two multiplies on same-dtype (vectorised) paths; int32 * float32 is not.
     out = acc.to(torch.float32).mul_(x_scale).mul_(weight_scale)
     if bias is not None:
@@ -259,10 +251,7 @@ class Int8Linear(nn.Linear):
         """``(..., in_features)`` float -> ``(..., out_features)`` in ``x.dtype``."""
         if self.fused is not None:
             return self.fused.output(self.member, x)
-        out = w8a8_linear(
-            x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, self.smooth,
-            matmul_operand(self, self.weight),
-        )  # fmt: skip
+        out = w8a8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, self.smooth)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -300,28 +289,13 @@ class SharedInput:
         """Member ``member``'s ``(..., out_features)`` output for ``x``."""
         held = self._input
         if held is not x or member not in self._outputs:  # held: the input of the outputs not yet taken
-            out = w8a8_linear(
-                x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, self.smooth,
-                matmul_operand(self, self.weight),
-            )  # fmt: skip
+            out = w8a8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, self.smooth)
             parts = out.reshape(*x.shape[:-1], out.shape[-1]).split(self.splits, dim=-1)
             self._outputs, self._input = dict(enumerate(parts)), x
         out = self._outputs.pop(member)
         if not self._outputs:
             self._input = None  # every member has its part: hold nothing between forward passes
         return out
-
-
-def matmul_operand(holder: object, weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` as the selected int8 kernel of its device reads it, made on first use and held by ``holder`` (an
-    :class:`Int8Linear` or :class:`SharedInput`) outside its state dict; made again when the kernel or the weight's
-    device changes."""
-    name = int8_matmul_kernel(weight.device)
-    held = holder.__dict__.get("_operand")
-    if held is None or held[0] != name or held[1] is not weight or held[2].device != weight.device:
-        held = (name, weight, INT8_MATMUL_KERNELS[name].prepare(weight.detach()))
-        holder.__dict__["_operand"] = held
-    return held[2]
 
 
 def fuse_shared_inputs(model: nn.Module) -> int:
@@ -463,7 +437,7 @@ def quantize_model(
         alpha: SmoothQuant migration strength in [0, 1].
     Returns:
         ``{"method", "alpha", "linear_layers", "embedding", "tied_head", "kernel", "bytes_before", "bytes_after",
-        "ratio"}``; ``alpha`` is None without SmoothQuant, ``kernel`` names the int8 matmul used.
+        "ratio"}``; ``alpha`` is None without SmoothQuant, ``kernel`` names the int8 matmuls used.
     Raises:
         ValueError: unknown method, missing or malformed calibration, alpha outside [0, 1], or the model
             already holds adapters or int8 layers.
@@ -493,11 +467,16 @@ def quantize_model(
         "linear_layers": len(names),
         "embedding": isinstance(embedding, nn.Embedding),
         "tied_head": tied,
-        "kernel": int8_matmul_kernel(device),
+        "kernel": _kernels(device),
         "bytes_before": before,
         "bytes_after": after,
         "ratio": after / before,
     }
+
+
+def _kernels(device: torch.device) -> str:
+    few, many = int8_matmul_kernel(device, 1), int8_matmul_kernel(device, FEW_ROWS)
+    return many if few == many else f"{few} below {FEW_ROWS} rows, {many} from {FEW_ROWS}"
 
 
 def _linear_names(model: nn.Module, include_head: bool) -> list[str]:

@@ -25,7 +25,7 @@ from raylora.data.encode import Encoder, tokenizer_spec
 from raylora.data.formats import Conversation
 from raylora.generation import Engine, Event, GenRequest, joined, on_passing_thread
 from raylora.models import load_model, own_weights
-from raylora.ops.int8 import fuse_shared_inputs, int8_matmul_kernel
+from raylora.ops.int8 import FEW_ROWS, fuse_shared_inputs, int8_matmul_kernel
 from raylora.prefix_cache import sized
 from raylora.quantize import quantize
 from raylora.registry import AdapterError
@@ -56,11 +56,12 @@ def load_serving_model(cfg: JobConfig):
         backend.release_freed_memory()
     model = model.to(backend.torch_device())
     # int8 q, k, v and gate, up (quantised here or an int8 folder): one matmul each
-    if fuse_shared_inputs(model) and int8_matmul_kernel(backend.torch_device()) == "float32 matmul":
+    if fuse_shared_inputs(model) and int8_matmul_kernel(backend.torch_device(), FEW_ROWS) == "float32 matmul":
         log.warning(
-            "int8 matmuls run here as float32 matmuls of the int8 values (torch._int_mm was slower on a timed probe: "
-            "this CPU has no int8 dot-product instructions): the same answers at float32's speed, with a float32 copy "
-            "of each int8 weight; serve.quantization: none serves as fast here with less memory"
+            f"int8 matmuls of {FEW_ROWS} rows or more run here as float32 matmuls of the int8 values (torch._int_mm "
+            "was slower on a timed probe: this CPU has no int8 dot-product instructions): the same answers, each "
+            "weight converted at each call; an unquantised base (serve.quantization: none) may serve faster here, "
+            "with 4x the weight memory"
         )
     return model, tokenizer, summary
 

@@ -74,18 +74,18 @@ def test_a_quantised_base_leaves_no_weight_in_the_checkpoints_memory_map(tmp_pat
 
 
 def test_a_base_on_the_float_kernel_says_so_when_it_loads(monkeypatch, caplog):
-    """Where torch._int_mm loses the timed probe (no VNNI or AMX), the replica's log says that the int8 base runs at
-    float32's speed there and that an unquantised one serves as fast with less memory."""
+    """Where torch._int_mm loses the timed probe (no VNNI or AMX), the replica's log says that the int8 base's batched
+    matmuls run as float32 ones there and that an unquantised base may serve faster."""
     import raylora.ops.int8
 
     cfg = from_dict({"model": {"name_or_path": "tiny-llama"}, "serve": {"quantization": "w8a8"},
                      "backend": {"device": "cpu"}})  # fmt: skip
     said = {}
     for kernel in ("torch._int_mm", "float32 matmul"):
-        monkeypatch.setattr(raylora.ops.int8, "_selected", {"cpu": kernel})
+        monkeypatch.setattr(raylora.ops.int8, "_selected", {("cpu", True): "torch._int_mm", ("cpu", False): kernel})
         caplog.clear()
         load_serving_model(cfg)
         said[kernel] = [r.getMessage() for r in caplog.records if r.name == "ray.serve"]
     assert said["torch._int_mm"] == []
     (message,) = said["float32 matmul"]
-    assert "float32 matmuls of the int8 values" in message and "serve.quantization: none serves as fast" in message
+    assert "run here as float32 matmuls of the int8 values" in message and "serve.quantization: none" in message
