@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve import LONG_ANSWER, _config, make_adapters, questions  # noqa: E402
+from invariance import served_with_adapters  # noqa: E402
+from serve import LONG_ANSWER, questions  # noqa: E402
 
 BASELINE = "torch._int_mm"
 SHAPES = ((576, 960), (1536, 576), (576, 49152))
@@ -65,20 +65,6 @@ def workloads(model, tokenizer, names: list[str], tokens: int) -> dict:
     }
 
 
-def matmul_ms(kernel, rows: int, k: int, n: int, repeats: int = 5) -> float:
-    import torch
-
-    a = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
-    b = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()
-    kernel(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        kernel(a, b)
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", type=int, default=4)
@@ -86,26 +72,17 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from peft import PeftModel
 
     import raylora.ops.int8 as int8
     from raylora.generation import on_passing_thread
     from raylora.ops.lora import stack_adapters
-    from raylora.serve.replica import load_serving_model
 
-    cfg = _config("float32", 16, "w8a8-smoothquant")
-    base, tokenizer, _ = on_passing_thread(lambda: load_serving_model(cfg), 2)
+    model, tokenizer, names = served_with_adapters(args.adapters)
     cpu = torch.device("cpu")
     selected = int8._kernels(cpu)
     print(f"selected on this CPU: {selected} (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
     choices = {"selected": dict(int8._selected)}
     choices.update({k: dict.fromkeys([("cpu", True), ("cpu", False)], k) for k in int8.INT8_MATMUL_KERNELS})
-    root = Path(tempfile.mkdtemp(prefix="raylora-int8-kernel-"))
-    names = make_adapters(root, args.adapters)
-    model = PeftModel.from_pretrained(base, str(root / names[0]), adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(str(root / name), adapter_name=name)
-    model.eval()
     stack_adapters(model)  # as the serving adapter bank and an eval actor do
     runs = workloads(model, tokenizer, names, args.tokens)
     rates: dict[str, dict[str, float]] = {}
@@ -127,10 +104,12 @@ def main() -> None:
         print(f"| {work} | {cells} | {rates['selected'][work] / rates[BASELINE][work]:.2f}x | {same} |")
     kernels = list(int8.INT8_MATMUL_KERNELS)
     torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(0)
     print(f"\n| matmul (rows x in -> out) | {' ms | '.join(kernels)} ms |\n|---|" + "---|" * len(kernels))
     for k, n in SHAPES:
         for rows in (1, 16, 64):
-            cells = " | ".join(f"{matmul_ms(int8.INT8_MATMUL_KERNELS[kn], rows, k, n):.2f}" for kn in kernels)
+            times = (int8._seconds(int8.INT8_MATMUL_KERNELS[kn], rows, gen, (k, n)) * 1e3 for kn in kernels)
+            cells = " | ".join(f"{ms:.2f}" for ms in times)
             print(f"| {rows} x {k} -> {n} | {cells} |")
 
 

@@ -89,25 +89,30 @@ def workloads(model, tokenizer, names: list[str]) -> dict:
     }
 
 
+def served_with_adapters(adapters: int):
+    """SmolLM2 as `raylora serve` loads it (W8A8 SmoothQuant) holding ``adapters`` random rank-8 attention adapters:
+    ``(peft model, tokenizer, adapter names)``."""
+    from peft import PeftModel
+
+    from raylora.generation import on_passing_thread
+    from raylora.serve.replica import load_serving_model
+
+    base, tokenizer, _ = on_passing_thread(lambda: load_serving_model(_config("float32", 16, "w8a8-smoothquant")), 2)
+    root = Path(tempfile.mkdtemp(prefix="raylora-bench-"))
+    names = make_adapters(root, adapters)
+    model = PeftModel.from_pretrained(base, str(root / names[0]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(str(root / name), adapter_name=name)
+    return model.eval(), tokenizer, names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    from peft import PeftModel
-
-    from raylora.generation import on_passing_thread
-    from raylora.serve.replica import load_serving_model
-
-    cfg = _config("float32", 16, "w8a8-smoothquant")
-    base, tokenizer, _ = on_passing_thread(lambda: load_serving_model(cfg), 2)
-    root = Path(tempfile.mkdtemp(prefix="raylora-invariance-"))
-    names = make_adapters(root, args.adapters)
-    model = PeftModel.from_pretrained(base, str(root / names[0]), adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(str(root / name), adapter_name=name)
-    model.eval()
+    model, tokenizer, names = served_with_adapters(args.adapters)
     runs = workloads(model, tokenizer, names)
     results: dict[str, dict[str, list[float]]] = {p: {w: [] for w in runs} for p in ("invariant", "baseline")}
     for _ in range(args.repeats):

@@ -116,9 +116,9 @@ def _probe_failure(kernel, device: torch.device, gen: torch.Generator) -> str | 
     return None
 
 
-def _seconds(kernel, rows: int, gen: torch.Generator, repeats: int = 5) -> float:
-    """Best of ``repeats`` timings of ``kernel`` on ``rows`` rows of the :data:`_PROBE` shape, after a warm-up call."""
-    k, n = _PROBE
+def _seconds(kernel, rows: int, gen: torch.Generator, shape: tuple[int, int] = _PROBE, repeats: int = 5) -> float:
+    """Best of ``repeats`` timings of ``kernel`` on ``rows`` rows of ``shape`` (in, out), after a warm-up call."""
+    k, n = shape
     a = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=gen)
     b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen).t()
     kernel(a, b)

@@ -99,14 +99,15 @@ def test_int8_kernels_are_exact(shape):
 def test_the_cpu_uses_the_fastest_exact_kernel_for_few_rows_and_for_many(monkeypatch):
     """Found on an AVX2-only AMD EPYC: torch._int_mm (oneDNN without VNNI) ran 10-50x slower than a float32 matmul of
     the same int8 values, and was chosen for being first. Timed at 1 row and at 16, each choice kept for its side of
-    FEW_ROWS; a fast kernel that is not exact is never chosen."""
+    FEW_ROWS; a fast kernel that is not exact is never chosen. The slow side sleeps 50 ms a call: with 2 ms, a loaded
+    machine once timed torch._int_mm at one row slower than that."""
 
     def slow_at_many_rows(a, b):
-        time.sleep(0.002 if a.shape[0] >= FEW_ROWS else 0)
+        time.sleep(0.05 if a.shape[0] >= FEW_ROWS else 0)
         return torch._int_mm(a, b)
 
     def slow_at_one_row(a, b):
-        time.sleep(0.002 if a.shape[0] < FEW_ROWS else 0)
+        time.sleep(0.05 if a.shape[0] < FEW_ROWS else 0)
         return _float_mm(a, b)
 
     def inexact(a, b):
