@@ -5,10 +5,7 @@ PY := $(VENV)/bin/python
 # CPU wheel on this machine class; on CUDA or NPU hosts pass the torch build you need, e.g.
 #   make install TORCH_SPEC="torch==2.6.0"
 TORCH_SPEC ?= torch==2.13.0
-# --no-compile: Python writes a module's bytecode the first time a process imports it, instead of pip compiling every
-# file of every package (most never imported): a fresh install took 91 s and its first import 19 s, against 153 s
-# and 9 s compiled (2 cores, back to back)
-PIP := $(PY) -m pip install -qq --disable-pip-version-check --no-compile
+PIP := $(PY) -m pip install -qq --disable-pip-version-check
 
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
