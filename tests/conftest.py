@@ -53,7 +53,10 @@ def root() -> Path:
 
 # The files that take longest (`make test`'s --durations), longest first. `make test` runs two pytest processes that
 # each take whole files in this order, so the long files start at once and the short ones fill the gaps: run last,
-# one long file kept a process busy minutes after the other had finished.
+# one long file kept a process busy minutes after the other had finished. The files that share their process's Ray
+# cluster (`ray_session`) come before those that start clusters of their own or none (the demo aside, the longest):
+# a process stops its cluster before such a file, and interleaved, each process started its cluster again and again
+# (12 clusters started in one run of the suite before this order, 10 after; about 10 s of CPU each to start).
 LONGEST_FIRST = (
     "integration/test_train.py",
     "integration/test_demo.py",
@@ -61,12 +64,13 @@ LONGEST_FIRST = (
     "integration/test_preference.py",
     "integration/test_serve.py",
     "integration/test_tune.py",
+    "integration/test_prepare.py",
+    "integration/test_cluster_address.py",
+    "integration/test_doctor_ray.py",
     "integration/test_train_cluster.py",
     "integration/test_smollm2.py",
     "integration/test_serve_cli.py",
-    "integration/test_prepare.py",
     "integration/test_first_conversion.py",
-    "integration/test_cluster_address.py",
     "integration/test_quickstart.py",
 )
 

@@ -106,14 +106,6 @@ def test_mlflow_run_has_params_metrics_and_artifacts(trained):
     assert "adapter/adapter_model.safetensors" in {a.path for a in client.list_artifacts(run.info.run_id, "adapter")}
 
 
-def test_rerun_resumes_from_its_checkpoint_with_one_worker(trained):
-    tmp, cfg, _ = trained
-    more = job(tmp, "train.max_steps=16", "train.checkpoint_every=4", "train.grad_accum=2", "train.num_workers=1")
-    result = fit(more, log=lambda s: None)
-    assert result["resumed_from"] == 12 and result["steps"] == 16
-    assert [h["step"] for h in result["history"]][-2:] == [14, 16]
-
-
 def test_checkpoint_of_another_lora_shape_is_refused(trained):
     tmp, cfg, _ = trained
     with pytest.raises(CheckpointError, match=r"written for lora.rank 8 \(this job: 4\)"):  # before any worker
