@@ -9,8 +9,10 @@ same numbers: the answers are compared):
   b1       one request, --tokens greedy tokens, no adapter
   b16      16 alpaca questions, --tokens / 2 tokens each, batch 16, no adapter
   mix64    64 alpaca questions, adapters round-robin, --tokens / 4 tokens each, batch 64 (an eval actor's workload)
-then each kernel alone on the model's matmul shapes (576 wide: fused q/k/v 960, MLP down 1536 -> 576, LM head 49,152)
-at 1, 16 and 64 rows. Short workloads: torch._int_mm without VNNI decodes about 10 tokens/s.
+then each kernel alone: a pass through matrices of SmolLM2's shapes (30 layers of fused q/k/v 576 -> 960, o 576 -> 576,
+fused gate/up 576 -> 3,072, down 1,536 -> 576, and the LM head 576 -> 49,152: 134 MB of int8, read from memory as a
+decode step reads them) at 1, 2, 3 and 16 rows, then each shape alone, held in cache, at 1, 16 and 64 rows. Short
+workloads: torch._int_mm without VNNI decodes about 10 tokens/s.
 
     .venv/bin/python bench/int8_kernel.py [--adapters 4] [--tokens 64]
 """
@@ -31,6 +33,19 @@ from serve import LONG_ANSWER, questions  # noqa: E402
 
 BASELINE = "torch._int_mm"
 SHAPES = ((576, 960), (1536, 576), (576, 49152))
+LAYER = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) of one SmolLM2 decoder layer's matmuls
+
+
+def seconds(kernel, a, weights, repeats: int = 5) -> float:
+    """Best of ``repeats`` timings of ``kernel`` on ``a``'s rows through every one of ``weights``, after a warm-up."""
+    kernel(a[weights[0].shape[1]], weights[0].t())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            kernel(a[w.shape[1]], w.t())
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def workloads(model, tokenizer, names: list[str], tokens: int) -> dict:
@@ -84,6 +99,8 @@ def main() -> None:
     choices = {"selected": dict(int8._selected)}
     choices.update({k: dict.fromkeys([("cpu", True), ("cpu", False)], k) for k in int8.INT8_MATMUL_KERNELS})
     stack_adapters(model)  # as the serving adapter bank and an eval actor do
+    for warm_up in workloads(model, tokenizer, names, 8).values():  # first calls: kernels loaded, shapes seen
+        on_passing_thread(warm_up, 2)
     runs = workloads(model, tokenizer, names, args.tokens)
     rates: dict[str, dict[str, float]] = {}
     answers: dict[str, dict[str, list[str]]] = {}
@@ -105,11 +122,24 @@ def main() -> None:
     kernels = list(int8.INT8_MATMUL_KERNELS)
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(0)
-    print(f"\n| matmul (rows x in -> out) | {' ms | '.join(kernels)} ms |\n|---|" + "---|" * len(kernels))
+
+    def rows_of(m: int) -> dict:
+        return {k: torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen) for k in (576, 1536)}
+
+    model_weights = [torch.ones(n, k, dtype=torch.int8) for k, n in LAYER * 30 + ((576, 49152),)]
+    mb = sum(w.numel() for w in model_weights) / 1e6
+    print(f"\n| a pass through {mb:.0f} MB of SmolLM2's int8 weights, 2 threads | {' ms | '.join(kernels)} ms |")
+    print("|---|" + "---|" * len(kernels))
+    for rows in (1, 2, 3, 16):
+        a = rows_of(rows)
+        cells = " | ".join(f"{seconds(int8.INT8_MATMUL_KERNELS[kn], a, model_weights) * 1e3:.2f}" for kn in kernels)
+        print(f"| {rows} row(s) | {cells} |")
+    print(f"\n| matmul held in cache (rows x in -> out) | {' ms | '.join(kernels)} ms |\n|---|" + "---|" * len(kernels))
     for k, n in SHAPES:
+        weight = [torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)]
         for rows in (1, 16, 64):
-            times = (int8._seconds(int8.INT8_MATMUL_KERNELS[kn], rows, gen, (k, n)) * 1e3 for kn in kernels)
-            cells = " | ".join(f"{ms:.2f}" for ms in times)
+            a = rows_of(rows)
+            cells = " | ".join(f"{seconds(int8.INT8_MATMUL_KERNELS[kn], a, weight) * 1e3:.2f}" for kn in kernels)
             print(f"| {rows} x {k} -> {n} | {cells} |")
 
 

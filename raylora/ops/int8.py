@@ -24,7 +24,8 @@ and DoRA (both read ``weight`` as floats).
 The int8 matmul is the fastest exact kernel of :data:`INT8_MATMUL_KERNELS` on the CPU it runs on: ``torch._int_mm``
 where the CPU has int8 dot-product instructions (VNNI, AMX); without them, for calls of :data:`FEW_ROWS` rows or more,
 a float32 matmul of the int8 values, which gives the same numbers (every product and sum is an integer float32 holds
-exactly) and is 5-20x faster there from 4 rows, holding no second copy of a weight.
+exactly) and is 5-20x faster there from 4 rows, holding no second copy of a weight; for fewer rows (a decode step of
+a small batch), raylora's own AVX2 kernel (:mod:`raylora.ops.int8_rows`) where it streams the weights faster.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from raylora.ops.int8_rows import int8_rows, w8a8_rows
 
 METHODS = ("w8a8", "w8a8-smoothquant")
 # Linears fed by one tensor share SmoothQuant factors, so the transform stays expressible as a folded
@@ -55,17 +58,24 @@ def _float_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # Every kernel that runs and is exact on a probe is a candidate (:func:`int8_matmul_kernel`). torch._int_mm: oneDNN on
 # x86 CPUs, fast with VNNI or AMX, 10-50x slower than a float32 matmul without them (an AVX2-only AMD EPYC: 16.6 ms
-# against 1.2 ms with the conversion for 64 x 576 -> 960), cuBLASLt on CUDA (there it needs M > 16).
+# against 1.2 ms with the conversion for 64 x 576 -> 960), cuBLASLt on CUDA (there it needs M > 16). raylora's AVX2
+# kernel runs on x86 CPUs only, and raises elsewhere (so it is never the first exact kernel on an accelerator).
 INT8_MATMUL_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "torch._int_mm": torch._int_mm,
     "float32 matmul": _float_mm,
+    "int8 rows (AVX2)": int8_rows,
 }
+ROWS_KERNEL = "int8 rows (AVX2)"  # where chosen, a whole W8A8 linear of float32 rows runs in it (w8a8_rows)
 # On the CPU, a call with fewer rows uses the kernel fastest at 1 row, others the one fastest at 16 (the float32
 # kernel converts the whole weight each call: at 1 row that costs more than the matmul, 69 against 16 ms for
 # SmolLM2's LM head on that EPYC).
 FEW_ROWS = 4
-# The timed probe: a 576-wide model's fused q/k/v projection.
+# The timed probe: a 576-wide model's fused q/k/v projection, timed over a pass through as many such weights as fill
+# _PROBE_BYTES, more than most CPUs' last-level cache: a decode step streams every weight from memory, and a kernel
+# timed on one weight the cache holds ranked otherwise (torch._int_mm 10 against 17 us at one row on a 2-core EPYC
+# with VNNI, but 16.7 against 8.7 ms a pass through SmolLM2's weights).
 _PROBE = (576, 960)
+_PROBE_BYTES = 64 << 20
 _selected: dict[tuple[str, bool], str] = {}  # (device type, fewer than FEW_ROWS rows) -> kernel name
 
 
@@ -96,7 +106,8 @@ def int8_matmul_kernel(device: torch.device, rows: int = 16) -> str:
             f"Supported kernels, in order: {', '.join(INT8_MATMUL_KERNELS)}; quantise for a device where one runs."
         )
     if device.type == "cpu" and len(exact) > 1:
-        exact.sort(key=lambda name: _seconds(INT8_MATMUL_KERNELS[name], 1 if key[1] else 16, gen))
+        weights = _probe_weights()
+        exact.sort(key=lambda name: _pass_seconds(INT8_MATMUL_KERNELS[name], 1 if key[1] else 16, gen, weights))
     _selected[key] = exact[0]
     return exact[0]
 
@@ -116,16 +127,22 @@ def _probe_failure(kernel, device: torch.device, gen: torch.Generator) -> str | 
     return None
 
 
-def _seconds(kernel, rows: int, gen: torch.Generator, shape: tuple[int, int] = _PROBE, repeats: int = 5) -> float:
-    """Best of ``repeats`` timings of ``kernel`` on ``rows`` rows of ``shape`` (in, out), after a warm-up call."""
-    k, n = shape
-    a = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=gen)
-    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen).t()
-    kernel(a, b)
+def _probe_weights() -> list[torch.Tensor]:
+    """Weights of :data:`_PROBE`'s shape filling :data:`_PROBE_BYTES` (their values do not change a kernel's time)."""
+    k, n = _PROBE
+    block = torch.ones(_PROBE_BYTES // (k * n) * n, k, dtype=torch.int8)
+    return list(block.split(n))
+
+
+def _pass_seconds(kernel, rows: int, gen: torch.Generator, weights: list[torch.Tensor], repeats: int = 3) -> float:
+    """Best of ``repeats`` timings of ``kernel`` on ``rows`` rows through every one of ``weights``, in turn."""
+    a = torch.randint(-127, 128, (rows, weights[0].shape[1]), dtype=torch.int8, generator=gen)
+    kernel(a, weights[0].t())
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        kernel(a, b)
+        for w in weights:
+            kernel(a, w.t())
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -175,6 +192,14 @@ def w8a8_linear(
     Returns:
         ``(tokens, out_features)`` in ``x.dtype``.
     """
+    if (
+        x.shape[0] < FEW_ROWS
+        and x.device.type == "cpu"
+        and x.dtype == weight_scale.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and int8_matmul_kernel(x.device, x.shape[0]) == ROWS_KERNEL
+    ):
+        return w8a8_rows(x, weight, weight_scale, bias, smooth)  # the same steps in one call
     xf = x.float()
     if smooth is not None:
         xf = xf * smooth

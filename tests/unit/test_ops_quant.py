@@ -25,7 +25,7 @@ from torch import nn
 
 import raylora.ops.int8
 from raylora.models import tiny_model
-from raylora.ops import Int4Linear, Int8Embedding, Int8Linear, quantize_adapter, quantize_model, weight_bytes
+from raylora.ops import Int4Linear, Int8Embedding, Int8Linear, int8_rows, quantize_adapter, quantize_model, weight_bytes
 from raylora.ops.int4 import int4_roundtrip_reference, pack_int4, unpack_int4
 from raylora.ops.int8 import (
     FEW_ROWS,
@@ -34,6 +34,7 @@ from raylora.ops.int8 import (
     fuse_shared_inputs,
     int8_matmul_kernel,
     quantize_per_channel,
+    quantize_per_token,
     smoothquant_factors,
     w8a8_linear,
     w8a8_linear_reference,
@@ -91,7 +92,13 @@ def test_int8_kernels_are_exact(shape):
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     expected = a.int() @ w.int().t()
+    a[0, :2], w[0, :2] = -127, torch.tensor([127, -127])  # the extremes: maddubs's pairs must not saturate
+    expected = a.int() @ w.int().t()
     for name, kernel in INT8_MATMUL_KERNELS.items():
+        if name == "int8 rows (AVX2)" and int8_rows.unavailable():  # no C compiler, or not an x86 CPU with AVX2
+            with pytest.raises(RuntimeError, match=int8_rows.unavailable()):
+                kernel(a, w.t())
+            continue
         assert torch.equal(kernel(a, w.t()).to(torch.int32), expected), name
     assert {int8_matmul_kernel(torch.device("cpu"), rows) for rows in (1, 64)} <= set(INT8_MATMUL_KERNELS)
 
@@ -99,15 +106,16 @@ def test_int8_kernels_are_exact(shape):
 def test_the_cpu_uses_the_fastest_exact_kernel_for_few_rows_and_for_many(monkeypatch):
     """Found on an AVX2-only AMD EPYC: torch._int_mm (oneDNN without VNNI) ran 10-50x slower than a float32 matmul of
     the same int8 values, and was chosen for being first. Timed at 1 row and at 16, each choice kept for its side of
-    FEW_ROWS; a fast kernel that is not exact is never chosen. The slow side sleeps 50 ms a call: with 2 ms, a loaded
-    machine once timed torch._int_mm at one row slower than that."""
+    FEW_ROWS; a fast kernel that is not exact is never chosen. Each is timed on a pass through 64 MB of weights (121
+    calls); the slow side sleeps 2 ms a call, 0.24 s a pass, 6x the slowest real kernel's pass (with 2 ms a call
+    and one call timed, a loaded machine once timed torch._int_mm at one row slower than that)."""
 
     def slow_at_many_rows(a, b):
-        time.sleep(0.05 if a.shape[0] >= FEW_ROWS else 0)
+        time.sleep(0.002 if a.shape[0] >= FEW_ROWS else 0)
         return torch._int_mm(a, b)
 
     def slow_at_one_row(a, b):
-        time.sleep(0.05 if a.shape[0] < FEW_ROWS else 0)
+        time.sleep(0.002 if a.shape[0] < FEW_ROWS else 0)
         return _float_mm(a, b)
 
     def inexact(a, b):
@@ -128,18 +136,40 @@ def test_the_cpu_uses_the_fastest_exact_kernel_for_few_rows_and_for_many(monkeyp
         int8_matmul_kernel(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("kernel", ["torch._int_mm", "float32 matmul"])
+@pytest.mark.skipif(bool(int8_rows.unavailable()), reason=f"raylora's AVX2 kernel: {int8_rows.unavailable()}")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_the_fused_few_rows_linear_is_bitwise_the_step_by_step_one(rows):
+    """One C call does what w8a8_linear does op by op (smooth, per-row scale, round half to even, int8 products,
+    rescale, bias): the same bits, for widths with and without a tail past whole 32-byte blocks."""
+    gen = torch.Generator().manual_seed(rows)
+    for k, n in ((64, 40), (130, 33), (576, 960)):
+        x = torch.randn(rows, k, generator=gen) * 3
+        x[0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: halves round to even
+        x[0, 4:] = x[0, 4:].clamp(-127, 127)
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        weight_scale, bias, smooth = torch.rand(n, generator=gen), torch.randn(n, generator=gen), torch.rand(k) + 0.5
+        assert quantize_per_token(x)[0][0, :4].tolist() == [127, 2, -4, 0]
+        for b, sm in ((None, None), (bias, None), (bias, smooth), (None, smooth)):
+            xf = x if sm is None else x * sm
+            xq, x_scale = quantize_per_token(xf)
+            step_by_step = torch._int_mm(xq, weight.t()).float().mul_(x_scale).mul_(weight_scale)
+            step_by_step = step_by_step if b is None else step_by_step.add_(b)
+            assert torch.equal(int8_rows.w8a8_rows(x, weight, weight_scale, b, sm), step_by_step), (k, n)
+
+
+@pytest.mark.parametrize("kernel", ["torch._int_mm", "float32 matmul", "int8 rows (AVX2)"])
 def test_a_quantised_model_answers_the_same_on_every_kernel(kernel, monkeypatch):
     model = tiny_model("llama")
     quantize_model(model, "w8a8")
     ids = torch.randint(3, 200, (3, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        monkeypatch.setattr(
-            raylora.ops.int8, "_selected", dict.fromkeys([("cpu", True), ("cpu", False)], "torch._int_mm")
-        )
-        expected = model(input_ids=ids).logits
-        monkeypatch.setattr(raylora.ops.int8, "_selected", dict.fromkeys([("cpu", True), ("cpu", False)], kernel))
-        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=0, rtol=0)
+        for batch in (ids, ids[:1, :3]):  # 27 rows a linear, and 3 (a decode step's few: w8a8_rows on its kernel)
+            monkeypatch.setattr(
+                raylora.ops.int8, "_selected", dict.fromkeys([("cpu", True), ("cpu", False)], "torch._int_mm")
+            )
+            expected = model(input_ids=batch).logits
+            monkeypatch.setattr(raylora.ops.int8, "_selected", dict.fromkeys([("cpu", True), ("cpu", False)], kernel))
+            torch.testing.assert_close(model(input_ids=batch).logits, expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
