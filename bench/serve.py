@@ -23,7 +23,7 @@ Runs, back to back in this process:
                           max_tokens 16: time to first token (p50, p99) with the prefix cache
                           (serve.prefix_cache_mb) against it off, and whether every greedy answer is the same
   llamacpp                ours quantised against llama.cpp's `llama-server -t 2 --parallel 16 -cb` in F16, Q8_0 and
-                          the shipped Q4_1 (bench/llama_cpp.py; skipped, saying so, without LLAMA_CPP_BIN): tokens/s,
+                          the shipped Q4_1 (bench/llama_cpp.py; ours alone, saying so, without LLAMA_CPP_BIN): tokens/s,
                           latency, time to first token of the same workload streamed, batch-1 decode, memory
 
     .venv/bin/python bench/serve.py [--requests 64] [--clients 16] [--runs on,off,quant,hf,lora,prefill,decode,json,prefix,llamacpp]
@@ -518,15 +518,12 @@ def prefix_run(dtype: str, clients: int, n: int, cache_mb: float) -> dict:
 def versus_llama_cpp(clients: int, n: int, quantization: str) -> dict:
     """`llamacpp`: our W8A8 server, then llama.cpp's server on the same cores in each GGUF precision (a fresh server
     each), each measured alike: the non-streaming load, time to first token over the same workload streamed, and
-    batch-1 decode. Memory: ours the whole Ray cluster and the replica process apart; llama.cpp its one process."""
+    batch-1 decode. Memory: ours the whole Ray cluster and the replica process apart; llama.cpp its one process.
+    Without llama.cpp (LLAMA_CPP_BIN), ours alone, saying so."""
     from llama_cpp import Server, binaries, ggufs
 
     from raylora.serve.ingress import served_name
 
-    bin_dir = binaries()
-    if bin_dir is None:
-        return {"missing": "llama.cpp not found: set LLAMA_CPP_BIN to a folder with llama-server and llama-quantize "
-                           "(docs/benchmarks.md#against-llamacpp)"}  # fmt: skip
     cfg = _config("float32", 16, quantization)
 
     def after(url: str) -> dict:
@@ -535,6 +532,11 @@ def versus_llama_cpp(clients: int, n: int, quantization: str) -> dict:
                 "b1_tok_s": decode_one(url, name)}  # fmt: skip
 
     results = {f"raylora serve, {quantization}": run_ours(cfg, clients, n, after=after)}
+    bin_dir = binaries()
+    if bin_dir is None:
+        results["missing"] = ("llama.cpp not found: set LLAMA_CPP_BIN to a folder with llama-server and "
+                              "llama-quantize (docs/benchmarks.md#against-llamacpp); ours alone above")  # fmt: skip
+        return results
     for precision, gguf in ggufs(bin_dir).items():
         with Server(bin_dir, gguf, _port(), clients) as server:
             load(server.url, "smollm2", 2, 2, 8)  # warm-up
@@ -548,9 +550,7 @@ def versus_llama_cpp(clients: int, n: int, quantization: str) -> dict:
 
 
 def print_versus(results: dict, clients: int) -> None:
-    if "missing" in results:
-        print(f"\nagainst llama.cpp: {results['missing']}")
-        return
+    missing = results.pop("missing", None)
     print(f"\nagainst llama.cpp, {clients} clients, 64-token greedy answers (ours first):\n"
           "| server | generated tok/s | p50 s | p99 s | TTFT p50 s | TTFT p99 s | batch-1 decode tok/s | memory MiB |\n"
           "|---|---|---|---|---|---|---|---|")  # fmt: skip
@@ -559,6 +559,9 @@ def print_versus(results: dict, clients: int) -> None:
         print(f"| {name} | {r['tok_s']:.1f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['ttft']['p50_s']:.2f} | "
               f"{r['ttft']['p99_s']:.2f} | {r['b1_tok_s']:.1f} | {memory} |")  # fmt: skip
     ours = next(iter(results.values()))
+    if missing:
+        print(f"against llama.cpp: {missing}")
+        return
     theirs = {k: v for k, v in results.items() if k.startswith("llama-server")}
     best = max(theirs, key=lambda k: theirs[k]["tok_s"])
     q8 = theirs.get("llama-server Q8_0")
