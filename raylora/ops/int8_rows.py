@@ -141,13 +141,15 @@ def w8a8_rows(
     Every tensor float32 but the int8 ``weight``; the kernels must be available (:func:`unavailable`)."""
     library = _library()
     rows, k = x.shape
+    # each held in a name until the call returns: a pointer into a temporary's memory would outlive it
     x, weight, weight_scale = x.contiguous(), weight.contiguous(), weight_scale.contiguous()
+    bias, smooth = (None if t is None else t.contiguous() for t in (bias, smooth))
     out = torch.empty(rows, weight.shape[0])
     work, scale = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows)
     library.raylora_w8a8_rows(
-        x.data_ptr(), None if smooth is None else smooth.contiguous().data_ptr(), weight.data_ptr(),
-        weight_scale.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
-        work.data_ptr(), scale.data_ptr(), rows, weight.shape[0], k, torch.get_num_threads(),
+        x.data_ptr(), None if smooth is None else smooth.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), work.data_ptr(), scale.data_ptr(), rows,
+        weight.shape[0], k, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

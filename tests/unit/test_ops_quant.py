@@ -155,6 +155,8 @@ def test_the_fused_few_rows_linear_is_bitwise_the_step_by_step_one(rows):
             step_by_step = torch._int_mm(xq, weight.t()).float().mul_(x_scale).mul_(weight_scale)
             step_by_step = step_by_step if b is None else step_by_step.add_(b)
             assert torch.equal(int8_rows.w8a8_rows(x, weight, weight_scale, b, sm), step_by_step), (k, n)
+            strided = [None if t is None else torch.stack([t, t], dim=-1)[..., 0] for t in (x, b, sm)]  # not contiguous
+            assert torch.equal(int8_rows.w8a8_rows(strided[0], weight, weight_scale, *strided[1:]), step_by_step)
 
 
 @pytest.mark.parametrize("kernel", ["torch._int_mm", "float32 matmul", "int8 rows (AVX2)"])
