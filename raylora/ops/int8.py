@@ -60,12 +60,12 @@ def _float_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # x86 CPUs, fast with VNNI or AMX, 10-50x slower than a float32 matmul without them (an AVX2-only AMD EPYC: 16.6 ms
 # against 1.2 ms with the conversion for 64 x 576 -> 960), cuBLASLt on CUDA (there it needs M > 16). raylora's AVX2
 # kernel runs on x86 CPUs only, and raises elsewhere (so it is never the first exact kernel on an accelerator).
+ROWS_KERNEL = "int8 rows (AVX2)"  # where chosen, a whole linear of few float32 rows runs in w8a8_rows
 INT8_MATMUL_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "torch._int_mm": torch._int_mm,
     "float32 matmul": _float_mm,
-    "int8 rows (AVX2)": int8_rows,
+    ROWS_KERNEL: int8_rows,
 }
-ROWS_KERNEL = "int8 rows (AVX2)"  # where chosen, a whole W8A8 linear of float32 rows runs in it (w8a8_rows)
 # On the CPU, a call with fewer rows uses the kernel fastest at 1 row, others the one fastest at 16 (the float32
 # kernel converts the whole weight each call: at 1 row that costs more than the matmul, 69 against 16 ms for
 # SmolLM2's LM head on that EPYC).
@@ -73,7 +73,7 @@ FEW_ROWS = 4
 # The timed probe: a 576-wide model's fused q/k/v projection, timed over a pass through as many such weights as fill
 # _PROBE_BYTES, more than most CPUs' last-level cache: a decode step streams every weight from memory, and a kernel
 # timed on one weight the cache holds ranked otherwise (torch._int_mm 10 against 17 us at one row on a 2-core EPYC
-# with VNNI, but 16.7 against 8.7 ms a pass through SmolLM2's weights).
+# with VNNI, but 13.5 against 5.3 ms a pass through SmolLM2's weights: bench/int8_kernel.py).
 _PROBE = (576, 960)
 _PROBE_BYTES = 64 << 20
 _selected: dict[tuple[str, bool], str] = {}  # (device type, fewer than FEW_ROWS rows) -> kernel name
