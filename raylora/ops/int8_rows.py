@@ -3,10 +3,9 @@ matmul, and a whole W8A8 linear of float32 rows in one call.
 
 A decode step of a small batch multiplies 1 to 3 activation rows by every int8 weight of the model, streamed from
 memory, and runs each linear's quantisation and rescale as a dozen small torch ops. On a 2-core AMD EPYC with VNNI
-(``bench/int8_kernel.py``), a pass through SmolLM2's 134 MB of int8 weights at one row took 5.4-5.6 ms here against
-8.3-16.4 ms with ``torch._int_mm`` (oneDNN); a whole linear of one row through its fused q/k/v weight, held in cache,
-33 against 41 us; the serving engine's batch-1 decode went from 33-35 to 46-49 tokens/s. ``torch._weight_int8pack_mm``
-took 7x ``torch._int_mm``'s time there; torch has no other exact int8 kernel for the CPU.
+(``bench/int8_kernel.py``), a pass through SmolLM2's 134 MB of int8 weights at one row took 5.3 ms here against 13.5 ms
+with ``torch._int_mm`` (oneDNN), and the serving engine decoded 44.5 against 34.0 tokens/s at batch 1.
+``torch._weight_int8pack_mm`` took 7x ``torch._int_mm``'s time there; torch has no other exact int8 kernel for the CPU.
 
 The kernels are C with AVX2 intrinsics (llama.cpp's Q8_0 dot product: ``|x| * (w * sign(x))`` with ``maddubs``,
 whose pairs of products of values in [-127, 127] stay below 2^15, so no sum saturates), parallel over the weight's
