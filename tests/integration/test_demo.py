@@ -177,8 +177,11 @@ def test_a_signal_stops_the_demo_and_the_cluster_it_started(root, tmp_path):
             where = subprocess.run(
                 [str(BIN / "py-spy"), "dump", "--pid", str(proc.pid)], capture_output=True, text=True
             )
+            masks = [
+                line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if line.startswith("Sig")
+            ]
             raise AssertionError(
-                f"the demo went on 120 s after SIGTERM; its stack:\n{where.stdout}{where.stderr}"
+                f"the demo went on 120 s after SIGTERM; {masks}; its stack:\n{where.stdout}{where.stderr}"
             ) from None
     finally:
         if proc.poll() is None:
