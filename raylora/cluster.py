@@ -125,7 +125,9 @@ def unanswered(address: str) -> str | None:
 def sigterm_stops(before: Callable[[], None]) -> Iterator[None]:
     """Within: SIGTERM (``ray job stop``, a scheduler) runs ``before`` (marking the MLflow run KILLED: ``ray job
     stop`` kills the process a few seconds later) and then stops the process the way Ctrl-C does, which Ray Train and
-    Tune handle gracefully. Signals reach only the main thread: elsewhere, nothing changes."""
+    Tune handle gracefully; where SIGINT is ignored (inherited: a script's background job, whose shell ignores SIGINT
+    in it, or a parent inside ``system()``), it raises KeyboardInterrupt as Ctrl-C's default handler would. Signals
+    reach only the main thread: elsewhere, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -135,6 +137,8 @@ def sigterm_stops(before: Callable[[], None]) -> Iterator[None]:
             before()
         except Exception as e:  # the store unreachable: stopping matters more
             print(f"could not mark the MLflow run stopped: {e}", file=sys.stderr)
+        if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # the SIGINT sent below would be dropped
+            raise KeyboardInterrupt
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # Ray starts job entrypoints with SIGINT blocked
         os.kill(os.getpid(), signal.SIGINT)
 
