@@ -9,6 +9,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 assert "torch" not in sys.modules, "OMP_WAIT_POLICY must be set before torch loads: it is read once, at load"
 
+# Ray swaps a 127.0.0.1 address for the host's routable IP unless this is off, and reads it once, when it is imported:
+# set after `import ray`, a cluster given by RAY_ADDRESS=127.0.0.1:port was dialled at the routable IP (and never
+# answered) by this process's `ray.init`. Tests stay on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import pytest  # noqa: E402
 import ray  # noqa: E402
 
@@ -16,8 +21,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Ray swaps a 127.0.0.1 node address for the host's routable IP unless this is off; tests stay on loopback.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Ray Train's controller polls its workers every 2 s, so each run's end (or a dead worker) is noticed up to 2 s late.
 # Polling every 0.5 s took the suite from 21 to 15 minutes. A slow poll is still no failure (Ray Train fails a worker
 # only after 10 minutes of missed polls).

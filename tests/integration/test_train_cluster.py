@@ -11,6 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from raylora.cli import main
+from raylora.cluster import dashboard_port
 from raylora.config import load_config
 from raylora.train.fit import fit
 
@@ -25,7 +26,11 @@ def test_two_nodes_the_doctor_reports_each_and_a_run_puts_one_worker_on_each(tmp
     if ray.is_initialized():
         ray.shutdown()
     monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "node_ip_address": "127.0.0.1"})
+    # The dashboard port as raylora's own clusters take theirs: Ray's default, 8265, raced the other test process's.
+    with dashboard_port() as port:
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 3, "node_ip_address": "127.0.0.1", "dashboard_port": port}
+        )
     worker = cluster.add_node(num_cpus=3, node_ip_address="127.0.0.1")
     try:
         cluster.wait_for_nodes()
