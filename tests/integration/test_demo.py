@@ -173,7 +173,7 @@ def test_a_signal_stops_the_demo_and_the_cluster_it_started(root, tmp_path):
         proc.send_signal(signal.SIGTERM)
         try:
             _, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:  # seen once in a full suite, never alone: where the demo was, for the fix
+        except subprocess.TimeoutExpired:  # where the demo was and which signals it ignored (SIGINT: cefbf85)
             where = subprocess.run(
                 [str(BIN / "py-spy"), "dump", "--pid", str(proc.pid)], capture_output=True, text=True
             )
