@@ -30,6 +30,7 @@ from raylora.ops.int4 import int4_roundtrip_reference, pack_int4, unpack_int4
 from raylora.ops.int8 import (
     FEW_ROWS,
     INT8_MATMUL_KERNELS,
+    ROWS_KERNEL,
     _float_mm,
     fuse_shared_inputs,
     int8_matmul_kernel,
@@ -91,11 +92,10 @@ def test_int8_kernels_are_exact(shape):
     gen = torch.Generator().manual_seed(0)
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    expected = a.int() @ w.int().t()
     a[0, :2], w[0, :2] = -127, torch.tensor([127, -127])  # the extremes: maddubs's pairs must not saturate
     expected = a.int() @ w.int().t()
     for name, kernel in INT8_MATMUL_KERNELS.items():
-        if name == "int8 rows (AVX2)" and int8_rows.unavailable():  # no C compiler, or not an x86 CPU with AVX2
+        if name == ROWS_KERNEL and int8_rows.unavailable():  # no C compiler, or not an x86 CPU with AVX2
             with pytest.raises(RuntimeError, match=int8_rows.unavailable()):
                 kernel(a, w.t())
             continue
@@ -159,7 +159,7 @@ def test_the_fused_few_rows_linear_is_bitwise_the_step_by_step_one(rows):
             assert torch.equal(int8_rows.w8a8_rows(strided[0], weight, weight_scale, *strided[1:]), step_by_step)
 
 
-@pytest.mark.parametrize("kernel", ["torch._int_mm", "float32 matmul", "int8 rows (AVX2)"])
+@pytest.mark.parametrize("kernel", ["torch._int_mm", "float32 matmul", ROWS_KERNEL])
 def test_a_quantised_model_answers_the_same_on_every_kernel(kernel, monkeypatch):
     model = tiny_model("llama")
     quantize_model(model, "w8a8")
