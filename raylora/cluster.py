@@ -26,10 +26,8 @@ def ensure_ray() -> None:
 
     The new cluster stays on loopback because importing raylora, before Ray, turned off Ray's switch of a node's
     127.0.0.1 to the host's routable address (``raylora/__init__.py``). It starts its dashboard (on 127.0.0.1,
-    port 8265 or the next free one): Ray Train leaves a placement-group cleaner actor behind each run whose
-    controller ends abruptly, as a sweep's stopped trials do, and that actor only exits once the dashboard's state
-    API tells it the controller is gone. Without it, every trial of a sweep left a 200 MB process polling until Ray
-    shut down.
+    port 8265 or the next free one), where users watch their runs and through which Ray's state API answers (Ray
+    Train's placement-group cleaner, which raylora's runs no longer start, :mod:`raylora.train.lean`, polled it).
     """
     if ray.is_initialized():
         return
@@ -41,8 +39,8 @@ def ensure_ray() -> None:
         ray.init(address=address, log_to_driver=True)
         return
     # Ray's state API finds "the" cluster of the host by its last `ray start` or, failing that, by the only GCS
-    # process it sees: with another Ray instance on the host, the placement-group cleaner of every Ray Train run
-    # failed with a traceback ("Found multiple active Ray instances"). The new cluster's processes take this
+    # process it sees: with another Ray instance on the host, its callers (Ray Train's placement-group cleaner, in
+    # every run before raylora.train.lean) failed with a traceback ("Found multiple active Ray instances"). The new cluster's processes take this
     # one's environment as ray.init starts them, so it tells them where their dashboard is, for them alone: the
     # variable wins over any address, so it must not reach a `ray job submit` this process runs later.
     with dashboard_port() as port:

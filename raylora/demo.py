@@ -285,9 +285,9 @@ def start_cluster(temp_dir: str, env: dict, log_path: Path, log: Callable[[str],
         cmd = [_bin("ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
                f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
                *(f"--{k}={v}" for k, v in ports.items())]  # fmt: skip
-        # The cluster's processes take this environment: told their dashboard, Ray's state API (which Ray Train's
-        # placement-group cleaner asks) does not go looking for "the" cluster of the host, and fail beside another
-        # one, as `ensure_ray` tells the clusters it starts (raylora.cluster).
+        # The cluster's processes take this environment: told their dashboard, Ray's state API does not go looking
+        # for "the" cluster of the host, and fail beside another one, as `ensure_ray` tells the clusters it starts
+        # (raylora.cluster).
         env = {**env, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}
         own_token(env)
         try:

@@ -1,4 +1,5 @@
-"""The TorchTrainer of one training run, and what the driver reads back from it.
+"""The TorchTrainer of one training run (:class:`~raylora.train.lean.LeanTorchTrainer`), and what the driver reads
+back from it.
 
 Every trial of a sweep builds and fits one of these in its own process, which only drives the run: this
 module leaves the model and data stacks (transformers, peft, Ray Data) to the workers, so that process
@@ -45,13 +46,14 @@ def build_trainer(
     """
     # these two import torch: 1.3 s and 0.18 GB more in a grouped trial's process, which imports this module for
     # TrainingError alone
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from raylora.backends import store_timeout_s, worker_plan  # see above
+    from raylora.train.lean import LeanTorchTrainer  # see above
 
     dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     packs = {name: d for name, d in datasets.items() if isinstance(d, Packs)}
-    return TorchTrainer(
+    return LeanTorchTrainer(
         _train_worker,
         train_loop_config={
             "cfg": {**to_dict(cfg), "train": {**to_dict(cfg.train), "output_dir": str(out)}},

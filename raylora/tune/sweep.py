@@ -417,9 +417,8 @@ def _release_placement_groups(trial_dir: Path) -> None:
 
     Tune ends a trial that ASHA stops by killing its process, and with it the Ray Train controller.
     The controller's placement group belongs to the sweep's driver, so it would hold its CPUs until the
-    sweep ends, and the next trials would wait for CPUs forever. Ray Train's own cleaner removes it a
-    second or two later, but only on a cluster whose dashboard runs (a ``ray start --include-dashboard=false``
-    cluster has none). Each worker records its group's id.
+    sweep ends, and the next trials would wait for CPUs forever. Ray Train's own cleaner actor, which would
+    remove it, is not started (:mod:`raylora.train.lean`). Each worker records its group's id.
     """
     ids = {json.loads(p.read_text()).get("placement_group") for p in (trial_dir / "workers").glob("rank*.json")}
     table = ray.util.placement_group_table()
