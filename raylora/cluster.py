@@ -40,9 +40,10 @@ def ensure_ray() -> None:
         return
     # Ray's state API finds "the" cluster of the host by its last `ray start` or, failing that, by the only GCS
     # process it sees: with another Ray instance on the host, its callers (Ray Train's placement-group cleaner, in
-    # every run before raylora.train.lean) failed with a traceback ("Found multiple active Ray instances"). The new cluster's processes take this
-    # one's environment as ray.init starts them, so it tells them where their dashboard is, for them alone: the
-    # variable wins over any address, so it must not reach a `ray job submit` this process runs later.
+    # every run before raylora.train.lean) failed with a traceback ("Found multiple active Ray instances"). The new
+    # cluster's processes take this one's environment as ray.init starts them, so it tells them where their
+    # dashboard is, for them alone: the variable wins over any address, so it must not reach a `ray job submit` this
+    # process runs later.
     with dashboard_port() as port:
         previous = os.environ.get("RAY_API_SERVER_ADDRESS")
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"

@@ -1,5 +1,6 @@
 """The TorchTrainer every raylora run fits: Ray Train's own callbacks, less the two helper actors it does not need."""
 
+import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
 
@@ -23,6 +24,6 @@ def test_a_run_of_prepared_packs_starts_neither_a_dataset_manager_nor_a_placemen
 
 
 def test_a_streamed_run_keeps_the_dataset_manager_that_splits_its_datasets():
-    streamed = ray.data.from_items([{"x": 1}])
+    streamed = ray.data.range  # a dataset as a callable Ray Train calls on the controller: no cluster here
     ours, theirs = _names(_trainer(LeanTorchTrainer, train=streamed)), _names(_trainer(TorchTrainer, train=streamed))
     assert ours == [n for n in theirs if n != "PlacementGroupCleanerCallback"] and "DatasetsCallback" in ours
