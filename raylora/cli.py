@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from raylora.comm.links import PRESETS
-from raylora.config import ConfigError, load_config
+from raylora.config import ConfigError, JobConfig, load_config
 from raylora.errors import BadInput, RunFailed
 from raylora.paths import anchor_inputs, anchor_outputs
+from raylora.startup import gc_paused
 from raylora.tune import space
 
 # The modules above are light (no torch, Ray, transformers or mlflow at import; tune.space must stay so). Every other
-# raylora module is imported inside main() and run_plan(), once the arguments are parsed: each command's module pulls
-# in torch, Ray, transformers or mlflow (1-5 s on 2 cores), and `raylora --help` or a usage error must pay none of
-# it; a command pays only for its own (the error classes main() tells apart are raylora.errors').
+# raylora module is imported in load_command(), once the arguments are parsed: each command's module pulls in torch,
+# Ray, transformers or mlflow (1-5 s on 2 cores), and `raylora --help` or a usage error must pay none of it; a command
+# pays only for its own (the error classes main() tells apart are raylora.errors').
 
 COMMANDS = {
     "quickstart": "single-process LoRA fine-tune of a few steps, save the adapter, answer a question",
@@ -71,63 +73,19 @@ def main(argv: list[str] | None = None) -> int:
         cli.error(f"unrecognized arguments: {' '.join(strays)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
-        cfg = load_config(args.config, args.overrides)
-        cfg = anchor_inputs(anchor_outputs(cfg, args.command, args.config))
-        if args.command == "tune":
-            space.check(cfg)
+        # the config's checks (a sweep's builds the model's skeleton) and the command's module import torch, Ray,
+        # transformers or mlflow: with the garbage collector paused, see raylora.startup
+        with gc_paused():
+            cfg = load_config(args.config, args.overrides)
+            cfg = anchor_inputs(anchor_outputs(cfg, args.command, args.config))
+            if args.command == "tune":
+                space.check(cfg)
+            command = load_command(args.command)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    if args.command == "doctor":
-        from raylora.doctor import check, render  # torch and Ray, about 1.8 s: only `raylora doctor` pays it
-
-        rows, problems = check(cfg, cluster=args.cluster)
-        print(render(rows, problems))
-        return 1 if problems else 0
     try:
-        if args.command == "prepare":
-            from raylora.data.pipeline import prepare  # after parsing: see top
-
-            prepare(cfg)
-        elif args.command == "export":
-            from raylora.export import export  # after parsing: see top
-
-            export(cfg)
-        elif args.command == "serve":
-            from raylora.serve.launch import serve_forever, start  # after parsing: see top
-
-            if args.detach:
-                print(f"raylora serve: {start(cfg, detach=True)}/v1 is ready (OpenAI API)")
-            else:
-                serve_forever(cfg)
-        elif args.command == "eval":
-            from raylora.eval.run import evaluate  # after parsing: see top
-
-            evaluate(cfg, args.config)
-        elif args.command == "plan":
-            run_plan(cfg, args)
-        elif args.command == "tune":
-            from raylora.tune.sweep import sweep  # after parsing: see top
-
-            sweep(cfg, resume=args.resume)
-        elif args.command == "demo":
-            from raylora.cluster import sigterm_stops  # after parsing: see top
-            from raylora.demo import run_demo  # after parsing: see top
-
-            try:
-                with sigterm_stops(lambda: None):  # SIGTERM (a scheduler, `timeout`) stops the demo as Ctrl-C does
-                    run_demo(cfg, args.config)
-            except KeyboardInterrupt:  # run_demo's `finally` stopped the cluster it started
-                print("raylora demo: stopped by a signal; the cluster it started is stopped", file=sys.stderr)
-                return 1
-        elif args.command == "train":
-            from raylora.train.fit import fit  # after parsing: see top
-
-            fit(cfg)
-        else:
-            from raylora.train.quickstart import run_quickstart  # after parsing: see top
-
-            run_quickstart(cfg)
+        return command(cfg, args)
     except ConfigError as e:  # a sweep's trial that does not fit the cluster, found once Ray is up
         print(e, file=sys.stderr)
         return 2
@@ -137,27 +95,94 @@ def main(argv: list[str] | None = None) -> int:
     except (RunFailed, ValueError, OSError) as e:
         print(f"raylora {args.command}: {e}", file=sys.stderr)
         return 1
+
+
+def load_command(name: str) -> Callable[[JobConfig, argparse.Namespace], int]:
+    """The function that runs command ``name`` and returns its exit code, its module imported (see the top)."""
+    if name == "doctor":
+        from raylora.doctor import check, render
+
+        def doctor(cfg, args):
+            rows, problems = check(cfg, cluster=args.cluster)
+            print(render(rows, problems))
+            return 1 if problems else 0
+
+        return doctor
+    if name == "prepare":
+        from raylora.data.pipeline import prepare
+
+        return lambda cfg, args: done(prepare(cfg))
+    if name == "export":
+        from raylora.export import export
+
+        return lambda cfg, args: done(export(cfg))
+    if name == "serve":
+        from raylora.serve.launch import serve_forever, start
+
+        def serve(cfg, args):
+            if args.detach:
+                print(f"raylora serve: {start(cfg, detach=True)}/v1 is ready (OpenAI API)")
+            else:
+                serve_forever(cfg)
+            return 0
+
+        return serve
+    if name == "eval":
+        from raylora.eval.run import evaluate
+
+        return lambda cfg, args: done(evaluate(cfg, args.config))
+    if name == "plan":
+        from raylora.comm import plan
+
+        return lambda cfg, args: done(run_plan(plan, cfg, args))
+    if name == "tune":
+        from raylora.tune.sweep import sweep
+
+        return lambda cfg, args: done(sweep(cfg, resume=args.resume))
+    if name == "demo":
+        from raylora.cluster import sigterm_stops
+        from raylora.demo import run_demo
+
+        def demo(cfg, args):
+            try:
+                with sigterm_stops(lambda: None):  # SIGTERM (a scheduler, `timeout`) stops the demo as Ctrl-C does
+                    run_demo(cfg, args.config)
+            except KeyboardInterrupt:  # run_demo's `finally` stopped the cluster it started
+                print("raylora demo: stopped by a signal; the cluster it started is stopped", file=sys.stderr)
+                return 1
+            return 0
+
+        return demo
+    if name == "train":
+        from raylora.train.fit import fit
+
+        return lambda cfg, args: done(fit(cfg))
+    from raylora.train.quickstart import run_quickstart
+
+    return lambda cfg, args: done(run_quickstart(cfg))
+
+
+def done(_result: object) -> int:
+    """The exit code of a command that returned (whatever it returned): 0."""
     return 0
 
 
-def run_plan(cfg, args) -> None:
-    """``raylora plan``: print the predicted table and write the chart."""
-    from raylora.comm.plan import chart, measure_mfu, predict, table  # torch, transformers, peft: only `plan` pays
-
+def run_plan(plan, cfg, args) -> None:
+    """``raylora plan``: print the predicted table and write the chart (``plan``: :mod:`raylora.comm.plan`)."""
     try:
         cards = [int(c) for c in args.cards.split(",")]
     except ValueError:
         raise ValueError(f"--cards takes whole numbers separated by commas, e.g. 8,16,32; got {args.cards!r}") from None
-    mfu = args.mfu if args.mfu is not None else measure_mfu(cfg)
+    mfu = args.mfu if args.mfu is not None else plan.measure_mfu(cfg)
     link = PRESETS[args.link_preset]
-    rows = predict(cfg, cards, link, mfu)
+    rows = plan.predict(cfg, cards, link, mfu)
     print(f"{cfg.model.name_or_path} + LoRA r={cfg.lora.rank} on {args.link_preset}, MFU {mfu:.2f}"
           f"{' (given)' if args.mfu is not None else ' (measured on this machine)'}; "
           f"{cfg.train.batch_size} x {cfg.data.cutoff_len} tokens x {cfg.train.grad_accum} micro-batches per card per step\n")  # fmt: skip
-    print(table(rows))
+    print(plan.table(rows))
     out = Path(args.out or Path(cfg.train.output_dir) / "plan.png")
     out.parent.mkdir(parents=True, exist_ok=True)
-    chart(rows, out, f"{Path(cfg.model.name_or_path).name}, LoRA r={cfg.lora.rank}, {args.link_preset}")
+    plan.chart(rows, out, f"{Path(cfg.model.name_or_path).name}, LoRA r={cfg.lora.rank}, {args.link_preset}")
     print(f"\nchart: {out}")
 
 

@@ -17,6 +17,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import pytest  # noqa: E402
 import ray  # noqa: E402
 
+from raylora.startup import gc_paused  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -76,6 +78,13 @@ LONGEST_FIRST = (
     "integration/test_first_conversion.py",
     "integration/test_quickstart.py",
 )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """The test modules import torch, transformers, peft and Ray: with the garbage collector paused (raylora.startup)."""
+    with gc_paused():
+        return (yield)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,6 +23,7 @@ from raylora.cluster import normal_priority
 from raylora.config import JobConfig, from_dict, to_dict
 from raylora.data.packs import read_packs, worker_share
 from raylora.runs import child_run
+from raylora.startup import gc_paused
 from raylora.tracking import metric_logger, tracking_uri
 from raylora.train.group_broker import Broker, broker_name
 
@@ -52,10 +53,11 @@ class GroupWorker:
         self, job: dict, train, evaluation, index: int, rank: int, world: int, store: str, dist_backend: str,
         generate_rows: list[dict],
     ):  # fmt: skip
-        import torch  # see the note at the top
+        with gc_paused():  # see raylora.startup
+            import torch  # see the note at the top
 
-        from raylora.backends import init_process_group  # see the note at the top
-        from raylora.train.group import Group  # see the note at the top
+            from raylora.backends import init_process_group  # see the note at the top
+            from raylora.train.group import Group  # see the note at the top
 
         priority = normal_priority()  # before torch starts its intra-op threads and the group its lanes
         cfg = from_dict(job)

@@ -16,6 +16,7 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, Sc
 from raylora.config import JobConfig, to_dict
 from raylora.data.packs import Packs
 from raylora.errors import RunFailed
+from raylora.startup import gc_paused
 from raylora.tracking import tracking_uri
 
 
@@ -104,6 +105,7 @@ def check_outcome(result, cfg: JobConfig) -> dict[str, Any]:
 
 def _train_worker(config: dict) -> dict:
     """Ray Train's worker function: :func:`raylora.train.loop.train_worker`, imported in the worker only."""
-    from raylora.train.loop import train_worker  # the model and data stacks (4 s): in the worker only
+    with gc_paused():  # see raylora.startup
+        from raylora.train.loop import train_worker  # the model and data stacks (4 s): in the worker only
 
     return train_worker(config)
