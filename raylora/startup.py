@@ -9,7 +9,8 @@ processes. Reference counting frees objects as before; what is frozen is only ne
 cycles left over from importing (about 13,000 objects after :mod:`raylora.train.loop`) stay.
 
 The entries that import the stacks use it: each command (:func:`raylora.cli.main`, and so every job), Ray Train's
-workers (:func:`raylora.train.trainer._train_worker`) and a shared-base group's workers.
+workers (:func:`raylora.train.trainer._train_worker`), a shared-base group's workers, and a lone trial's process as
+it builds its trainer (:func:`raylora.train.trainer.build_trainer`).
 """
 
 from __future__ import annotations

@@ -45,12 +45,13 @@ def build_trainer(
         generate_rows: the eval rows the generation evals answer (:func:`raylora.eval.in_training.training_rows`),
             read by the driver: a sweep's trial runs in a folder of its own, where relative data paths lead nowhere.
     """
-    # these two import torch: 1.3 s and 0.18 GB more in a grouped trial's process, which imports this module for
-    # TrainingError alone
-    from ray.train.torch import TorchConfig
+    # these import torch: 1.3 s and 0.18 GB more in a grouped trial's process, which imports this module for
+    # TrainingError alone; in a lone trial's process, the largest import, so with the collector paused (raylora.startup)
+    with gc_paused():
+        from ray.train.torch import TorchConfig
 
-    from raylora.backends import store_timeout_s, worker_plan  # see above
-    from raylora.train.lean import LeanTorchTrainer  # see above
+        from raylora.backends import store_timeout_s, worker_plan  # see above
+        from raylora.train.lean import LeanTorchTrainer  # see above
 
     dist_backend, scaling, env = worker_plan(cfg.backend, cfg.train.num_workers, cfg.train.cpus_per_worker)
     packs = {name: d for name, d in datasets.items() if isinstance(d, Packs)}
